@@ -1,9 +1,27 @@
 """EAGLE draft/verify pipeline: models, heads, drafting, the decode loop and the benchmark.
 
-The top layer of safespec; uses ``samplers`` and ``numerics``. Heavy modules load lazily so that
-``import spec_decode`` stays cheap (the pytest plugin imports it at collection time).
+The top layer of safespec; uses ``samplers`` and ``numerics``. Public names load lazily so that
+``import spec_decode`` stays cheap: the pytest plugin (``spec_decode.pytest_plugin``) is imported
+by every pytest run in an environment where safespec is installed, and must not import torch.
 """
-from spec_decode.faults import FAULT_SITES, NanFault
-from spec_decode.pipeline import GenerationResult, NanEvent, SpecDecoder, StepStats
+import importlib
 
-__all__ = ["FAULT_SITES", "GenerationResult", "NanEvent", "NanFault", "SpecDecoder", "StepStats"]
+_EXPORTS = {
+    "SpecDecoder": "spec_decode.pipeline",
+    "GenerationResult": "spec_decode.pipeline",
+    "NanEvent": "spec_decode.pipeline",
+    "StepStats": "spec_decode.pipeline",
+    "NanFault": "spec_decode.faults",
+    "FAULT_SITES": "spec_decode.faults",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'spec_decode' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
