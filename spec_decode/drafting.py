@@ -97,7 +97,8 @@ class _Pool:
 
 def _topk_logprobs(logits: torch.Tensor, k: int):
     """Top-k of log_softmax in float32; NaN-safe because the logits are sanitized first."""
-    logits = sanitize_nan_logits(logits.float())
+    # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
+    logits = sanitize_nan_logits(logits.float(), warn=False)
     lp = torch.log_softmax(logits, dim=-1)
     return torch.topk(lp, k, dim=-1)
 

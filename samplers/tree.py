@@ -1,0 +1,296 @@
+"""EAGLE draft-tree verification, greedy and exact-in-distribution sampling.
+
+A tree is given per batch row as ``tree_token_ids`` [B, N] and ``tree_parents`` [B, N].
+Node 0 is the root (the last verified token; its logits predict the first new token).
+Node i > 0 is real when ``0 <= tree_parents[b, i] < i`` and its parent is reachable from
+the root; every other node is padding, so trees of different sizes share one batch.
+Siblings are tried in index order.
+
+Verification walks down from the root one depth level per step (a Python loop over at
+most D + 1 levels; every step is vectorised over the batch and the nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+
+from numerics import NanPolicy
+from samplers._nan import clean_probs, prepare_logits, raise_if_nonfinite_probs
+from samplers._params import (
+    check_device,
+    check_float_tensor,
+    check_generator,
+    check_int_tensor,
+    check_shape,
+    check_vocab,
+)
+from samplers.probs import PLACEHOLDER_TOKEN_ID, RowParams, process_logits, race_sample
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult:
+    """Outcome of :func:`tree_verify`.
+
+    Attributes
+    ----------
+    accepted_node_ids : Tensor [B, D] int64
+        Node indices (never the root 0) along the accepted path, in depth order, then -1.
+    output_token_ids : Tensor [B, D+1] int32
+        The accepted draft tokens, then the recovered/bonus token, then -1.
+    num_emitted : Tensor [B] int32
+        Tokens emitted per row: accepted nodes + 1.
+    nonfinite_rows : Tensor [B] bool
+        Rows whose target logits held NaN/Inf, or whose draft_probs needed repair.
+    """
+
+    accepted_node_ids: torch.Tensor
+    output_token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    nonfinite_rows: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Tree:
+    """Per-node structure on device. All tensors [B, N]."""
+
+    parents: torch.Tensor  # int64, the raw parents
+    reachable: torch.Tensor  # bool: real node with an unbroken path to the root
+    depth: torch.Tensor  # int64: edges from the root (0 for root and padding)
+    rank: torch.Tensor  # int64: index among reachable siblings, in node order
+
+
+def _analyse_tree(parents: torch.Tensor) -> _Tree:
+    """Reachability, depth and sibling rank of every node, without a host sync.
+
+    Depth uses pointer jumping: after j rounds each node points 2^j levels up, so
+    ``bit_length(N)`` rounds reach the root from any depth < N.
+    """
+    batch, n = parents.shape
+    idx = torch.arange(n, device=parents.device).expand(batch, n)
+    real = (idx > 0) & (parents >= 0) & (parents < idx)
+    jump = torch.where(real, parents, idx)  # root and padding point to themselves
+    depth = real.long()
+    for _ in range(max(n, 1).bit_length()):
+        depth = depth + depth.gather(1, jump)
+        jump = jump.gather(1, jump)
+    reachable = real & (jump == 0)  # the chain ends at the root, not at a padding node
+    depth = depth * reachable
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)  # [j, j'] : j' < j
+    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)  # [B, N, N]
+    rank = (same_parent & reachable.unsqueeze(1) & earlier).sum(2)
+    return _Tree(parents, reachable, depth, rank)
+
+
+def _check_count(value, name):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+    return int(value)
+
+
+def tree_verify(
+    tree_token_ids: torch.Tensor,
+    tree_parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    draft_probs: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    nan_policy: NanPolicy | str | None = None,
+    max_depth: int | None = None,
+    max_children: int | None = None,
+    check_inputs: bool = False,
+) -> TreeVerifyResult:
+    """Verify a batch of EAGLE draft trees; the emitted tokens follow the target exactly.
+
+    Shape:
+        tree_token_ids: [B, N] integer (entry 0, the root's token, is not read).
+        tree_parents: [B, N] integer; ``tree_parents[b, 0] == -1``.
+        target_logits: [B, N, V] floating; row i predicts the token after node i.
+        temperature, top_p, min_p: scalar or float tensor [B]; top_k: int or int tensor [B].
+        draft_probs: None, or [B, N, V]: the drafter's distribution at node i, the one
+            node i's children were drawn from.
+        returns: :class:`TreeVerifyResult` with D the tree's maximum depth.
+
+    Greedy rows (temperature 0) follow the child whose token is the target's argmax, and
+    otherwise emit the argmax and stop. Sampled rows:
+
+    * ``draft_probs=None`` (deterministic drafts, e.g. EAGLE-2's top-k children): at each
+      node draw x from the target's processed distribution; follow the first child (index
+      order) whose token is x, else emit x and stop. Exact for any way of choosing children.
+    * ``draft_probs`` given: SpecInfer's multi-step rejection with replacement. With p the
+      target's distribution at the node and q = draft_probs at the node, each child c in
+      index order is accepted with probability ``min(1, p[x_c] / q[x_c])``; on rejection
+      ``p <- normalise(max(p - q, 0))`` and q stays. If every child is rejected, emit a
+      token drawn from the final p. Exact when each child token was drawn independently
+      from q (sampling with replacement). For children picked deterministically (top-k
+      without replacement) pass ``draft_probs=None`` instead. Children with q[x] == 0
+      cannot have been drawn from q and are skipped.
+
+    A child with an out-of-range token is never accepted. ``max_depth`` D (and, with
+    draft_probs, ``max_children``, the largest sibling count) bound the depth loop; when
+    one that is needed is None it is computed from ``tree_parents`` with ONE host sync.
+    Pass them to stay sync-free (the pipeline knows its tree shape). Nodes deeper than
+    ``max_depth`` are never accepted (verification stays exact; paths are cut there).
+
+    NaN: target logits are sanitized on a copy per ``nan_policy`` (``raise`` raises
+    NanLogitsError naming the batch rows, also for NaN/Inf in draft_probs); draft_probs entries that are NaN/Inf/negative
+    count as 0. ``nonfinite_rows`` reports the affected rows; ids are always in [0, V).
+    """
+    check_int_tensor(tree_token_ids, "tree_token_ids", 2)
+    check_int_tensor(tree_parents, "tree_parents", 2)
+    check_float_tensor(target_logits, "target_logits", 3)
+    batch, n = tree_token_ids.shape
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    if n < 1:
+        raise ValueError("tree_token_ids must hold at least the root node (N >= 1)")
+    check_vocab(vocab, "target_logits")
+    check_shape(tree_parents, "tree_parents", (batch, n))
+    check_shape(target_logits, "target_logits", (batch, n, vocab))
+    check_device(tree_token_ids, "tree_token_ids", device)
+    check_device(tree_parents, "tree_parents", device)
+    if draft_probs is not None:
+        check_float_tensor(draft_probs, "draft_probs", 3)
+        check_shape(draft_probs, "draft_probs", (batch, n, vocab))
+        check_device(draft_probs, "draft_probs", device)
+    check_generator(generator, device)
+    max_depth = _check_count(max_depth, "max_depth")
+    max_children = _check_count(max_children, "max_children")
+    params = RowParams.parse(batch, device, temperature, top_k, top_p, min_p, check_inputs)
+
+    tree = _analyse_tree(tree_parents.long())
+    tokens = tree_token_ids.long()
+    if check_inputs:
+        _check_tree_values(tree, tokens, vocab)
+    need_children = draft_probs is not None and max_children is None
+    if max_depth is None or need_children:
+        # ONE host sync: the loop bounds are Python ints. Pass max_depth/max_children to avoid it.
+        widest = ((tree.rank + 1) * tree.reachable).max() if n > 1 else tree.depth.new_zeros(())
+        deepest, widest = torch.stack([tree.depth.max(), widest]).tolist()
+        max_depth = deepest if max_depth is None else max_depth
+        max_children = widest if max_children is None else max_children
+
+    raise_if_nonfinite_probs(nan_policy, draft_probs)
+    work, nonfinite = prepare_logits(target_logits, nan_policy)  # [B, N, V] float32
+    probs = process_logits(work.view(batch * n, vocab), params.repeat(n)).view(batch, n, vocab)
+    q_all = None
+    if draft_probs is not None:
+        q_all, bad_q = clean_probs(draft_probs, zero_rows="zero")
+        nonfinite = nonfinite | (bad_q & tree.reachable).any(1)
+    token_ok = (tokens >= 0) & (tokens < vocab)
+    walk = _Walk(tree, tokens.clamp(0, vocab - 1), token_ok, params.temperature <= 0, generator)
+    return _descend(walk, probs, q_all, max_depth, max_children or 0, nonfinite)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    tree: _Tree
+    tokens: torch.Tensor  # [B, N] int64, clamped into [0, V)
+    token_ok: torch.Tensor  # [B, N] bool: the drafted token was in range
+    greedy: torch.Tensor  # [B] bool
+    generator: torch.Generator | None
+
+
+def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite) -> TreeVerifyResult:
+    """Walk every row from the root, one depth level per step.
+
+    Shape: probs [B, N, V] float32 target distributions; q_all [B, N, V] or None.
+    """
+    batch, n, _ = probs.shape
+    device = probs.device
+    rows = torch.arange(batch, device=device)
+    cur = torch.zeros(batch, dtype=torch.long, device=device)  # current node, starts at root
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    out = torch.full((batch, depth_bound + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    path = torch.full((batch, depth_bound), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    for step in range(depth_bound + 1):
+        p = probs[rows, cur]  # [B, V]
+        is_child = walk.tree.reachable & (walk.tree.parents == cur.unsqueeze(1)) & walk.token_ok
+        if step == depth_bound:
+            is_child = torch.zeros_like(is_child)  # the depth bound cuts the path here
+        if q_all is None:
+            child, has, token = _follow_sample(p, is_child, walk)
+        else:
+            child, has, token = _follow_rejection(p, q_all[rows, cur], is_child, walk, children_bound)
+        out[:, step] = torch.where(active, token, PLACEHOLDER_TOKEN_ID)
+        if step < depth_bound:
+            path[:, step] = torch.where(active & has, child, PLACEHOLDER_TOKEN_ID)
+        active = active & has
+        cur = torch.where(has, child, cur)
+    num_emitted = (out != PLACEHOLDER_TOKEN_ID).sum(1).to(torch.int32)
+    return TreeVerifyResult(path, out.to(torch.int32), num_emitted, nonfinite)
+
+
+def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the first True per row (0 if none), whether any). [B, N] -> ([B], [B])."""
+    return mask.to(torch.uint8).argmax(1), mask.any(1)
+
+
+def _follow_sample(p, is_child, walk):
+    """Deterministic drafts: draw x ~ p; follow the first child with token x."""
+    x = race_sample(p, walk.generator)  # [B]; one-hot p (greedy rows) gives the argmax
+    child, has = _first_true(is_child & (walk.tokens == x.unsqueeze(1)))
+    return child, has, x
+
+
+def _follow_rejection(p, q, is_child, walk, children_bound):
+    """SpecInfer multi-step rejection over the children in index order.
+
+    Shape: p, q [B, V] float32 (p sums to 1), is_child [B, N] -> (child [B], has [B],
+    token [B]). A loop over sibling rank (at most ``children_bound`` iterations).
+    """
+    batch = p.shape[0]
+    found = torch.zeros(batch, dtype=torch.bool, device=p.device)
+    chosen = torch.zeros(batch, dtype=torch.long, device=p.device)
+    for r in range(children_bound):
+        child, exists = _first_true(is_child & (walk.tree.rank == r))
+        x = walk.tokens.gather(1, child.unsqueeze(1))  # [B, 1]
+        px = p.gather(1, x).squeeze(1).double()
+        qx = q.gather(1, x).squeeze(1).double()
+        u = 1.0 - torch.rand(batch, dtype=torch.float64, device=p.device, generator=walk.generator)
+        live = exists & ~found
+        # Greedy rows: p is one-hot on the argmax, accept exactly the child that matches it.
+        sampled_accept = (qx > 0) & (px >= u * qx)  # min(1, p/q) >= u, division guarded
+        accept = live & torch.where(walk.greedy, px > 0, sampled_accept)
+        reject = live & ~walk.greedy & (qx > 0) & ~accept  # only real draws from q recurse
+        p = torch.where(reject.unsqueeze(1), _residual(p, q), p)
+        chosen = torch.where(accept, child, chosen)
+        found = found | accept
+    drawn = race_sample(p, walk.generator)
+    token = torch.where(found, walk.tokens.gather(1, chosen.unsqueeze(1)).squeeze(1), drawn)
+    return chosen, found, token
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(p - q, 0)): the target after a rejected draw from q. [B, V] -> [B, V].
+
+    Rounding can leave no mass (p == q), where exact arithmetic rejects with probability
+    0; then p is kept.
+    """
+    residual = (p - q).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp(min=1e-30), p)
+
+
+def _check_tree_values(tree: _Tree, tokens: torch.Tensor, vocab: int) -> None:
+    """check_inputs=True: parents well formed, reachable tokens in range. Syncs."""
+    parents = tree.parents
+    n = parents.shape[1]
+    idx = torch.arange(n, device=parents.device)
+    bad_root = (parents[:, 0] != -1).nonzero().flatten().tolist()  # host sync: check_inputs only
+    if bad_root:
+        raise ValueError(f"tree_parents[b, 0] must be -1 (the root); rows {bad_root[:8]} are not")
+    bad = ((parents < -1) | (parents >= idx)).nonzero().tolist()
+    if bad:
+        raise ValueError(f"tree_parents must satisfy -1 <= parent < node index; bad at {bad[:8]}")
+    bad_tok = (tree.reachable & ((tokens < 0) | (tokens >= vocab))).nonzero().tolist()
+    if bad_tok:
+        raise ValueError(f"tree_token_ids holds ids outside [0, {vocab}) at {bad_tok[:8]}")

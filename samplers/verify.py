@@ -1,0 +1,253 @@
+"""Chain verification: greedy, and speculative (rejection) sampling.
+
+Glossary (as in vLLM's rejection sampler):
+    accepted token: a draft token that verification keeps.
+    recovered token: the token drawn from the residual ``max(p - q, 0)`` at the first
+        rejected position.
+    bonus token: the token drawn from the target's last distribution when every draft
+        token was accepted.
+Outputs hold the accepted tokens, then one recovered or bonus token, then
+``PLACEHOLDER_TOKEN_ID`` (-1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from numerics import NanPolicy
+from samplers._nan import clean_probs, prepare_logits, raise_if_nonfinite_probs
+from samplers._params import (
+    check_device,
+    check_float_tensor,
+    check_generator,
+    check_ids_in_range,
+    check_int_tensor,
+    check_shape,
+    check_vocab,
+)
+from samplers.probs import PLACEHOLDER_TOKEN_ID, race_sample
+
+
+def _emit(draft: torch.Tensor, final: torch.Tensor, num: torch.Tensor) -> torch.Tensor:
+    """Output row: draft[:num], then final, then -1.
+
+    Shape: draft [B, K] int64, final [B] int64, num [B] int64 -> [B, K+1] int32.
+    """
+    batch, k = draft.shape
+    pos = torch.arange(k + 1, device=draft.device)  # [K+1]
+    padded = torch.cat([draft, final.unsqueeze(1)], 1)  # [B, K+1]
+    padded = padded.scatter(1, num.unsqueeze(1), final.unsqueeze(1))
+    out = torch.where(pos <= num.unsqueeze(1), padded, PLACEHOLDER_TOKEN_ID)
+    return out.to(torch.int32)
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """Number of leading True entries per row. Shape: [B, K] bool -> [B] int64."""
+    return mask.to(torch.int64).cumprod(1).sum(1)
+
+
+def greedy_verify(
+    draft_token_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    nan_policy: NanPolicy | str | None = None,
+    check_inputs: bool = False,
+    return_nonfinite: bool = False,
+):
+    """Accept draft tokens while they equal the target's argmax.
+
+    Shape:
+        draft_token_ids: [B, K] integer.
+        target_logits: [B, K+1, V] floating; position j predicts the token after draft j-1.
+        returns: (output_token_ids [B, K+1] int32, emitted_num [B] int32)
+            [+ nonfinite [B] bool if ``return_nonfinite``].
+
+    ``output_token_ids`` holds the accepted draft tokens, then the target's argmax at the
+    first mismatch (or the bonus argmax when all K match), then -1. ``emitted_num`` counts
+    the accepted DRAFT tokens, as FlashInfer's ``emitted_draft_token_num`` does: the row
+    holds ``emitted_num + 1`` tokens. Out-of-range draft ids are never accepted.
+
+    NaN: logits are sanitized on a copy per ``nan_policy`` (an all-NaN position's argmax
+    is id 0); ``nonfinite`` marks rows with any NaN/Inf logit.
+    """
+    check_int_tensor(draft_token_ids, "draft_token_ids", 2)
+    check_float_tensor(target_logits, "target_logits", 3)
+    batch, k = draft_token_ids.shape
+    vocab = target_logits.shape[-1]
+    check_vocab(vocab, "target_logits")
+    check_shape(target_logits, "target_logits", (batch, k + 1, vocab))
+    check_device(draft_token_ids, "draft_token_ids", target_logits.device)
+    if check_inputs:
+        check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
+    # argmax needs no float32 upcast: sanitize a copy in the logits' own dtype.
+    work, nonfinite = prepare_logits(target_logits, nan_policy, dtype=None)
+    best = work.argmax(-1)  # [B, K+1]
+    draft = draft_token_ids.long()
+    num = _leading_true(draft == best[:, :k])  # out-of-range ids never equal an argmax
+    out = _emit(draft, best.gather(1, num.unsqueeze(1)).squeeze(1), num)
+    result = (out, num.to(torch.int32))
+    return result + (nonfinite,) if return_nonfinite else result
+
+
+def chain_speculative_sampling(
+    draft_probs: torch.Tensor | None,
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+    nan_policy: NanPolicy | str | None = None,
+    check_inputs: bool = False,
+    return_nonfinite: bool = False,
+    backend: str = "auto",
+):
+    """Speculative sampling of a draft chain: the output is distributed as the target's.
+
+    Shape:
+        draft_probs: [B, K, V] floating, the drafter's distribution that draft token j was
+            drawn from; or None for deterministic drafts (q is then one-hot on the token).
+        draft_token_ids: [B, K] integer.
+        target_probs: [B, K+1, V] floating.
+        returns: (output_token_ids [B, K+1] int32, accepted_num [B] int32,
+            emitted_num [B] int32) [+ nonfinite [B] bool if ``return_nonfinite``].
+
+    Same meaning as FlashInfer's function of this name: draft j is accepted when
+    ``q > 0 and p / q >= u`` (u float64 uniform in (0, 1]); at the first rejection the
+    recovered token is drawn from normalised ``max(p - q, 0)``; if all K are accepted the
+    bonus token is drawn from ``target_probs[:, K]``. ``emitted_num`` counts the accepted
+    draft tokens (the row holds ``emitted_num + 1`` tokens); ``accepted_num`` counts the
+    drafts that would pass their own test independently of earlier rejections (a
+    drafter-alignment metric). An out-of-range draft id is always rejected and its q
+    treated as all zero (the recovered token is then drawn from p).
+
+    ``backend``: ``"auto"`` uses FlashInfer's kernel for CUDA tensors when flashinfer is
+    installed, else torch; ``"torch"`` forces the torch path; ``"flashinfer"`` requires it.
+
+    NaN: probabilities that are NaN/Inf/negative count as 0 and rows are renormalised; a
+    target row with no mass left becomes uniform, a draft row with no mass rejects its
+    token. ``nonfinite`` marks batch rows where any such repair happened. This happens
+    under every ``nan_policy``; ``"raise"`` first raises NanLogitsError naming the batch
+    rows whose probabilities hold NaN/Inf (one host sync).
+    """
+    check_int_tensor(draft_token_ids, "draft_token_ids", 2)
+    check_float_tensor(target_probs, "target_probs", 3)
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    check_vocab(vocab, "target_probs")
+    check_shape(target_probs, "target_probs", (batch, k + 1, vocab))
+    check_device(draft_token_ids, "draft_token_ids", device)
+    if draft_probs is not None:
+        check_float_tensor(draft_probs, "draft_probs", 3)
+        check_shape(draft_probs, "draft_probs", (batch, k, vocab))
+        check_device(draft_probs, "draft_probs", device)
+    check_generator(generator, device)
+    if backend not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'flashinfer', got {backend!r}")
+    if check_inputs:
+        check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
+    # Probabilities are cleaned under every policy (it is cheap and keeps ids in range);
+    # ``raise`` additionally raises NanLogitsError naming rows with NaN/Inf probabilities.
+    raise_if_nonfinite_probs(nan_policy, target_probs, draft_probs)
+
+    p, bad = clean_probs(target_probs, zero_rows="uniform")  # [B, K+1, V], [B, K+1]
+    draft = draft_token_ids.long()
+    valid = (draft >= 0) & (draft < vocab)  # [B, K]
+    safe = draft.clamp(0, vocab - 1)
+    nonfinite = bad.any(1)
+    if draft_probs is None:
+        q = torch.nn.functional.one_hot(safe, vocab).float()  # [B, K, V]
+    else:
+        q, bad_q = clean_probs(draft_probs, zero_rows="zero")
+        nonfinite = nonfinite | bad_q.any(1)
+    q = q * valid.unsqueeze(-1)  # an out-of-range id proposes nothing
+
+    fi = _flashinfer() if backend != "torch" and device.type == "cuda" else None
+    if backend == "flashinfer" and fi is None:
+        raise ValueError("backend='flashinfer' needs CUDA tensors and an importable flashinfer")
+    if fi is not None:
+        out, accepted, emitted = _chain_flashinfer(fi, p, q, safe, generator)
+    else:
+        out, accepted, emitted = _chain_torch(p, q, safe, generator)
+    result = (out, accepted, emitted)
+    return result + (nonfinite,) if return_nonfinite else result
+
+
+def _chain_torch(p, q, draft, generator):
+    """Torch chain sampling on cleaned inputs.
+
+    Shape: p [B, K+1, V] float32 (rows sum to 1), q [B, K, V] float32, draft [B, K] int64
+    in range -> (out [B, K+1] int32, accepted [B] int32, emitted [B] int32).
+    """
+    batch, k = draft.shape
+    p_draft = p[:, :k].gather(2, draft.unsqueeze(-1)).squeeze(-1).double()  # [B, K]
+    q_draft = q.gather(2, draft.unsqueeze(-1)).squeeze(-1).double()  # [B, K]
+    u = 1.0 - torch.rand((batch, k), dtype=torch.float64, device=p.device, generator=generator)
+    # Guarded division: q == 0 (token the drafter could not have proposed) is a rejection.
+    passed = (q_draft > 0) & (p_draft >= u * q_draft)  # p/q >= u without dividing
+    num = _leading_true(passed)  # [B]
+    final = _final_token(p, q, num, generator)
+    return _emit(draft, final, num), passed.sum(1).to(torch.int32), num.to(torch.int32)
+
+
+def _final_token(p, q, num, generator):
+    """Recovered token from max(p - q, 0) at position ``num``, or bonus from p[:, K].
+
+    Shape: p [B, K+1, V], q [B, K, V], num [B] int64 in [0, K] -> [B] int64.
+    """
+    batch, k1, vocab = p.shape
+    idx = num.view(batch, 1, 1).expand(batch, 1, vocab)
+    p_at = p.gather(1, idx).squeeze(1)  # [B, V]
+    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)  # the bonus position has q = 0
+    q_at = q_pad.gather(1, idx).squeeze(1)
+    return race_sample(_residual_weights(p_at, q_at), generator)
+
+
+def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised ``max(p - q, 0)`` (the race needs no normalisation). [B, V] -> [B, V].
+
+    Exact arithmetic gives the residual positive mass whenever a rejection is possible;
+    rounding can leave none (p == q): fall back to p rather than sample from nothing.
+    """
+    residual = (p - q).clamp(min=0)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    return torch.where(empty, p, residual)
+
+
+_FLASHINFER_MISSING = object()
+_flashinfer_module = None
+
+
+def _flashinfer():
+    """flashinfer.sampling if importable, else None. Imported lazily, on first CUDA use."""
+    global _flashinfer_module
+    if _flashinfer_module is None:
+        try:
+            import flashinfer.sampling as fi_sampling  # noqa: PLC0415 (optional dependency)
+
+            _flashinfer_module = fi_sampling
+        except Exception:  # noqa: BLE001 (any import failure means "not available")
+            _flashinfer_module = _FLASHINFER_MISSING
+    return None if _flashinfer_module is _FLASHINFER_MISSING else _flashinfer_module
+
+
+def _chain_flashinfer(fi, p, q, draft, generator):
+    """FlashInfer's kernel on cleaned inputs, then a fix-up for tokens with q(x) == 0.
+
+    FlashInfer accepts when ``u * q(x) < p(x)``, so it accepts a token with q(x) == 0
+    (out-of-range ids, whose q row is zero here, included). Our rule rejects them. The
+    fix-up cuts each row at its first such position if FlashInfer went past it and draws
+    the recovered token there from max(p - q, 0): the decisions before that position are
+    untouched, so the result has the torch path's distribution.
+    """
+    batch, k = draft.shape
+    out, accepted, emitted = fi.chain_speculative_sampling(
+        q.contiguous(), draft.to(torch.int32).contiguous(), p.contiguous(), generator=generator
+    )
+    q_draft = q.gather(2, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    first_bad = _leading_true(q_draft > 0)  # [B], K when every token is proposable
+    emitted = emitted.long()
+    cut = emitted > first_bad
+    num = torch.where(cut, first_bad, emitted)
+    fixed_final = _final_token(p, q, first_bad, generator)
+    final = torch.where(cut, fixed_final, out.long().gather(1, num.unsqueeze(1)).squeeze(1))
+    return _emit(draft, final, num), accepted.to(torch.int32), num.to(torch.int32)

@@ -1,0 +1,617 @@
+"""A compact Llama-family decoder (Llama 2/3, Qwen2) with a batched KV cache that takes draft trees.
+
+Glossary
+--------
+committed rows
+    K/V rows ``0 .. lengths[b]-1`` of slot ``b``: tokens that are part of request ``b``'s sequence.
+new block
+    The ``T`` tokens of one forward call. Their K/V rows are written at ``lengths[b] + t`` but are not
+    committed: ``KVCache.commit`` later keeps the accepted ones (moving them if they were tree nodes
+    off the first path) and advances ``lengths``.
+tree mask
+    ``tree_mask[b, t, t']`` is True when new token ``t`` may attend to new token ``t'`` (its ancestors and
+    itself). ``None`` means causal, i.e. a chain.
+
+Matches ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: RMSNorm computed in float32 and cast
+back, rotary embedding with the ``rotate_half`` convention (cos/sin computed in float32, applied in the model
+dtype), rope scaling ``default`` / ``linear`` / ``llama3``, grouped-query attention, SwiGLU MLP, q/k/v bias for
+Qwen2, tied embeddings.
+
+Host syncs: none in ``forward``, ``commit`` or ``reset_slots``. Bounds are the caller's job: every write
+position ``lengths[b] + t`` must be ``< cache.max_len``; checking it on device would need a sync, and the
+decode loop already knows the lengths on the host. An out-of-range write raises on CPU (scatter index
+error) and triggers a device-side assert on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spec_decode.checkpoint import load_state_dict, read_config, save_state_dict
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # old HF checkpoints saved this buffer
+
+
+# --------------------------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder; field names follow HF ``config.json``.
+
+    ``extra`` keeps every other config.json key (e.g. EAGLE-3's ``draft_vocab_size``) so that a
+    load -> save round trip preserves it.
+    """
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None -> num_attention_heads (MHA)
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (and o_proj bias for llama, as in HF)
+    model_type: str = "llama"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        rope_type = _rope_type(self.rope_scaling)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        # HF Llama puts attention_bias on o_proj too; Qwen2 has q/k/v bias only.
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict (transformers v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+        d = dict(d)
+        model_type = d.get("model_type", "llama")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu'")
+        if d.get("mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported")
+        if d.get("use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported")
+        rope_params = dict(d.get("rope_parameters") or {})
+        rope_theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+        rope_params.pop("rope_theta", None)
+        rope_scaling = d.get("rope_scaling") or rope_params or None
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            if "type" in rope_scaling and "rope_type" not in rope_scaling:  # transformers < 4.43 spelling
+                rope_scaling["rope_type"] = rope_scaling.pop("type")
+            if rope_scaling.get("rope_type", "default") == "default":
+                rope_scaling = None
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "rope_theta", "rope_scaling", "model_type", "attention_bias"}
+        kwargs = {k: d[k] for k in names if k in d and d[k] is not None}
+        attention_bias = d.get("attention_bias", model_type == "qwen2")  # Qwen2 always has q/k/v bias
+        extra = {k: v for k, v in d.items() if k not in names and k not in _CONFIG_KEYS_WE_WRITE_OR_DROP}
+        return cls(
+            **kwargs,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            attention_bias=bool(attention_bias),
+            model_type=model_type,
+            extra=extra,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read ``path/config.json``; FileNotFoundError naming the file when it is missing."""
+        return cls.from_hf_dict(read_config(path))
+
+    def to_hf_dict(self) -> dict:
+        """HF-compatible config dict (transformers v4 spelling, which v5 also reads)."""
+        d = dict(self.extra)
+        d.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        d["hidden_act"] = "silu"
+        d.setdefault(
+            "architectures", ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"]
+        )
+        if self.rope_scaling is None:
+            d.pop("rope_scaling")
+        return d
+
+
+_CONFIG_KEYS_WE_WRITE_OR_DROP = {
+    "rope_theta", "rope_scaling", "rope_parameters", "model_type", "attention_bias", "hidden_act",
+    "mlp_bias", "use_sliding_window", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+}
+
+
+def _rope_type(rope_scaling: dict | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+
+
+# --------------------------------------------------------------------------------------------- rope
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """Rotary inverse frequencies, computed in float32 exactly as HF does (incl. linear / llama3 scaling).
+
+    Shape: returns [head_dim // 2] float32.
+    """
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    rs = config.rope_scaling or {}
+    rope_type = _rope_type(rs)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(rs["factor"])
+    elif rope_type == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_ctx = float(rs["original_max_position_embeddings"])
+        low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for ``position_ids``, computed in float32 then cast to ``dtype`` (as HF).
+
+    Shape: inv_freq [D/2], position_ids [B, T]; returns two [B, 1, T, D] tensors.
+    """
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [B, nh, T, D] by cos/sin [B, 1, T, D] (HF ``rotate_half`` convention)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------------------------- cache
+@dataclass
+class KVCache:
+    """Batched KV cache: one slot per request, ``lengths[b]`` committed rows in slot ``b``.
+
+    Shape:
+        k, v: [num_layers, B, n_kv, max_len, head_dim]
+        lengths: [B] int64, on the same device
+    """
+
+    k: Tensor
+    v: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def empty(cls, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
+              *, dtype: torch.dtype, device: torch.device | str | None = None) -> "KVCache":
+        """Zeroed cache with all lengths 0."""
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(f"batch_size ({batch_size}) and max_len ({max_len}) must be >= 1")
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
+        return cls(
+            k=torch.zeros(shape, dtype=dtype, device=device),
+            v=torch.zeros(shape, dtype=dtype, device=device),
+            lengths=torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """Rows per slot. Callers check ``lengths + T <= max_len`` on the host before a forward."""
+        return self.k.shape[3]
+
+    def write(self, layer: int, write_pos: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write new rows ``k``/``v`` [B, n_kv, T, D] of ``layer`` at positions ``write_pos`` [B, T]."""
+        idx = write_pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
+        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
+
+    def commit(self, num: Tensor, rel_idx: Tensor | None = None) -> None:
+        """Keep ``num[b]`` rows of the last new block and advance ``lengths`` by ``num``.
+
+        Row ``j < num[b]`` of request ``b`` becomes new row ``rel_idx[b, j]`` (default ``j``: a chain whose
+        first ``num[b]`` tokens were accepted). Entries ``j >= num[b]`` are ignored (may be -1). All sources
+        are gathered before anything is written, so overlapping moves are safe. Requires
+        ``lengths[b] + A <= max_len`` (true when A does not exceed the new block that was written).
+        No host sync.
+
+        Shape:
+            num: [B] integer
+            rel_idx: [B, A] integer, or None
+        """
+        num = num.to(device=self.lengths.device, dtype=torch.long)
+        if num.shape != self.lengths.shape:
+            raise ValueError(f"num must have shape {tuple(self.lengths.shape)}, got {tuple(num.shape)}")
+        if rel_idx is not None:
+            if rel_idx.dim() != 2 or rel_idx.shape[0] != self.batch_size:
+                raise ValueError(f"rel_idx must have shape [B={self.batch_size}, A], got {tuple(rel_idx.shape)}")
+            rel_idx = rel_idx.to(device=self.lengths.device, dtype=torch.long)
+            j = torch.arange(rel_idx.shape[1], device=rel_idx.device)
+            keep = j[None, :] < num[:, None]  # (B, A)
+            dst = self.lengths[:, None] + j[None, :]  # (B, A)
+            # rows beyond num move onto themselves: a no-op that keeps the scatter free of conflicts
+            src = torch.where(keep, self.lengths[:, None] + rel_idx, dst)
+            L, B, H, _, D = self.k.shape
+            src_idx = src[None, :, None, :, None].expand(L, B, H, -1, D)
+            dst_idx = dst[None, :, None, :, None].expand(L, B, H, -1, D)
+            for buf in (self.k, self.v):
+                rows = buf.gather(3, src_idx)  # (L, B, H, A, D), gathered before any write
+                buf.scatter_(3, dst_idx, rows)
+        self.lengths += num
+
+    def reset_slots(self, slot_mask: Tensor) -> None:
+        """Zero the K/V rows and the length of every slot where ``slot_mask`` is True. No host sync.
+
+        Shape: slot_mask [B] bool.
+        """
+        if slot_mask.shape != self.lengths.shape or slot_mask.dtype != torch.bool:
+            raise ValueError(f"slot_mask must be bool of shape {tuple(self.lengths.shape)}, got "
+                             f"{slot_mask.dtype} {tuple(slot_mask.shape)}")
+        slot_mask = slot_mask.to(self.lengths.device)
+        m = slot_mask[None, :, None, None, None]
+        self.k.masked_fill_(m, 0)
+        self.v.masked_fill_(m, 0)
+        self.lengths.masked_fill_(slot_mask, 0)
+
+
+def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: Tensor | None = None,
+                         input_lens: Tensor | None = None) -> Tensor:
+    """Boolean attention mask for a new block of ``num_new`` tokens written after the committed rows.
+
+    Key ``s`` is visible to new token ``t`` of request ``b`` when ``s < lengths[b]`` (committed), or when
+    ``s = lengths[b] + t'`` with ``tree_mask[b, t, t']`` (causal if None) and ``t' < input_lens[b]``.
+    The token's own row is always visible, so no softmax row is empty (padded rows stay finite).
+
+    Shape:
+        lengths: [B] int64; tree_mask: [B, T, T] bool or None; input_lens: [B] or None
+        returns: [B, 1, T, kv_len] bool
+    """
+    device = lengths.device
+    pos = torch.arange(kv_len, device=device)
+    t_idx = torch.arange(num_new, device=device)
+    rel = pos[None, :] - lengths[:, None]  # (B, S): offset of key s inside the new block
+    committed = rel < 0
+    in_block = (rel >= 0) & (rel < num_new)
+    if tree_mask is None:
+        block_vis = rel[:, None, :] <= t_idx[None, :, None]  # (B, T, S)
+    else:
+        gather_idx = rel.clamp(0, num_new - 1)[:, None, :].expand(-1, num_new, -1)
+        block_vis = tree_mask.gather(2, gather_idx)  # (B, T, S)
+    if input_lens is not None:
+        block_vis = block_vis & (rel < input_lens[:, None].to(rel.dtype))[:, None, :]
+    mask = committed[:, None, :] | (in_block[:, None, :] & block_vis)
+    mask = mask | (rel[:, None, :] == t_idx[None, :, None])
+    return mask[:, None]
+
+
+# --------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the KV cache; ``in_dim`` differs from hidden_size only in EAGLE-3 (2H)."""
+
+    def __init__(self, config: ModelConfig, in_dim: int | None = None):
+        super().__init__()
+        in_dim = in_dim or config.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, write_pos: Tensor,
+                mask: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        D, n_rep = self.head_dim, self.n_heads // self.n_kv
+        q = self.q_proj(x).view(B, T, self.n_heads, D).transpose(1, 2)  # (B, nh, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)  # (B, nkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, write_pos, k, v)
+        S = mask.shape[-1]
+        keys, values = cache.k[layer][:, :, :S], cache.v[layer][:, :, :S]  # (B, nkv, S, D)
+        # GQA without copying the cache: fold the n_rep query heads of each kv head into the query axis
+        q = q.reshape(B, self.n_kv, n_rep * T, D)
+        mask = mask[:, :, None].expand(B, 1, n_rep, T, S).reshape(B, 1, n_rep * T, S)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        out = out.view(B, self.n_heads, T, D).transpose(1, 2).reshape(B, T, self.n_heads * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; ``input_norm=False`` drops input_layernorm (EAGLE-1/2 layer 0)."""
+
+    def __init__(self, config: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, write_pos: Tensor,
+                mask: Tensor) -> Tensor:
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(h, cos, sin, cache, layer, write_pos, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------------------------- inputs
+@dataclass
+class BlockInputs:
+    """Per-forward tensors shared by all layers: rope tables, cache write positions, attention mask."""
+
+    cos: Tensor  # [B, 1, T, D]
+    sin: Tensor  # [B, 1, T, D]
+    write_pos: Tensor  # [B, T] int64
+    mask: Tensor  # [B, 1, T, S] bool
+
+
+def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | None, tree_mask: Tensor | None,
+                     input_lens: Tensor | None, kv_len: int | None, device: torch.device) -> None:
+    """Shape/dtype/device checks for a forward over a new block (host-side metadata only, no sync)."""
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}")
+    B, T = input_ids.shape
+    if T < 1:
+        raise ValueError("input_ids must hold at least one token per row (T >= 1)")
+    if input_ids.device != device:
+        raise ValueError(f"input_ids is on {input_ids.device}, the model on {device}")
+    if cache.batch_size != B:
+        raise ValueError(f"cache has batch size {cache.batch_size}, input_ids has {B}")
+    if position_ids is not None and tuple(position_ids.shape) != (B, T):
+        raise ValueError(f"position_ids must have shape {(B, T)}, got {tuple(position_ids.shape)}")
+    if tree_mask is not None and (tuple(tree_mask.shape) != (B, T, T) or tree_mask.dtype != torch.bool):
+        raise ValueError(f"tree_mask must be bool [B, T, T] = {(B, T, T)}, got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    if input_lens is not None and tuple(input_lens.shape) != (B,):
+        raise ValueError(f"input_lens must have shape {(B,)}, got {tuple(input_lens.shape)}")
+    if kv_len is not None and not (T <= kv_len <= cache.max_len):
+        raise ValueError(f"kv_len ({kv_len}) must be in [T={T}, cache.max_len={cache.max_len}]")
+    if T > cache.max_len:
+        raise ValueError(f"new block of {T} tokens does not fit cache.max_len={cache.max_len}")
+
+
+def prepare_block(inv_freq: Tensor, cache: KVCache, num_new: int, dtype: torch.dtype, position_ids: Tensor | None,
+                  tree_mask: Tensor | None, input_lens: Tensor | None, kv_len: int | None) -> BlockInputs:
+    """Rope tables, write positions and mask for a new block of ``num_new`` tokens (no host sync)."""
+    lengths = cache.lengths
+    write_pos = lengths[:, None] + torch.arange(num_new, device=lengths.device)  # (B, T)
+    if position_ids is None:
+        position_ids = write_pos
+    cos, sin = rope_cos_sin(inv_freq, position_ids.to(lengths.device), dtype)
+    mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens)
+    return BlockInputs(cos, sin, write_pos, mask)
+
+
+# --------------------------------------------------------------------------------------------- model
+@dataclass
+class ModelOutput:
+    """Result of ``Transformer.forward``.
+
+    Shape:
+        logits: [B, T, V] (None when ``return_logits=False``)
+        hidden: [B, T, H] after the final norm (the EAGLE-1/2 feature)
+        aux_hidden: tuple of [B, T, H], residual stream after each requested decoder layer (before final norm)
+    """
+
+    logits: Tensor | None
+    hidden: Tensor
+    aux_hidden: tuple[Tensor, ...] = ()
+
+
+class Transformer(nn.Module):
+    """Llama-family causal LM whose parameter names are HF's minus the ``model.`` prefix."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._inv_freq: dict[torch.device, Tensor] = {}
+
+    # ---- helpers
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def inv_freq(self) -> Tensor:
+        """float32 rotary frequencies on the model's device (cached; kept out of the state dict and dtype casts)."""
+        dev = self.device
+        if dev not in self._inv_freq:
+            self._inv_freq[dev] = rope_inv_freq(self.config, dev)
+        return self._inv_freq[dev]
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
+        """Zeroed KV cache for ``batch_size`` slots of ``max_len`` rows, in the model dtype by default."""
+        c = self.config
+        return KVCache.empty(c.num_hidden_layers, batch_size, c.num_key_value_heads, max_len, c.head_dim,
+                             dtype=dtype or self.dtype, device=self.device)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """lm_head over post-norm hidden states. Shape: [..., H] -> [..., V]."""
+        return self.lm_head(hidden)
+
+    # ---- forward
+    def forward(self, input_ids: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
+                tree_mask: Tensor | None = None, input_lens: Tensor | None = None, aux_layers: tuple[int, ...] = (),
+                kv_len: int | None = None, return_logits: bool = True) -> ModelOutput:
+        """Run a new block of tokens after each slot's committed rows; writes their K/V, keeps ``lengths``.
+
+        Token ``t`` of request ``b`` attends to committed rows ``< lengths[b]`` and to new tokens ``t'`` with
+        ``tree_mask[b, t, t']`` (causal when None) and ``t' < input_lens[b]``. ``kv_len`` (host int) limits
+        attention to the first ``kv_len`` cache rows; it must be ``>= max(lengths) + T`` (the caller knows the
+        lengths on the host); None attends over ``cache.max_len`` rows.
+        NaN in weights/inputs propagates to the outputs; the mask never creates NaN (no empty rows).
+
+        Shape:
+            input_ids: [B, T]; position_ids: [B, T] (default lengths[:, None] + arange(T));
+            tree_mask: [B, T, T] bool; input_lens: [B] (tokens t >= input_lens[b] are padding)
+            returns ModelOutput(logits [B, T, V], hidden [B, T, H], aux_hidden tuple of [B, T, H])
+        """
+        check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
+        L = self.config.num_hidden_layers
+        for i in aux_layers:
+            if not 0 <= i < L:
+                raise ValueError(f"aux_layers entry {i} is out of range for {L} layers")
+        if cache.num_layers != L:
+            raise ValueError(f"cache has {cache.num_layers} layers, the model {L}")
+        x = self.embed_tokens(input_ids)  # (B, T, H)
+        blk = prepare_block(self.inv_freq(), cache, input_ids.shape[1], x.dtype, position_ids, tree_mask,
+                            input_lens, kv_len)
+        aux: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, blk.cos, blk.sin, cache, i, blk.write_pos, blk.mask)
+            if i in aux_layers:
+                aux[i] = x
+        hidden = self.norm(x)
+        logits = self.compute_logits(hidden) if return_logits else None
+        return ModelOutput(logits, hidden, tuple(aux[i] for i in aux_layers))
+
+    # ---- checkpoints
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str | None = None) -> "Transformer":
+        """Load a HF-layout Llama/Qwen2 checkpoint directory (config.json + safetensors / sharded index / .bin).
+
+        Raises FileNotFoundError naming a missing file, ValueError naming missing/unexpected/misshaped keys.
+        """
+        config = ModelConfig.from_pretrained(path)
+        state = load_state_dict(path)
+        return cls.from_state_dict(config, hf_to_local_keys(state), dtype=dtype, device=device,
+                                   source=os.fspath(path))
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state: dict[str, Tensor], *, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str | None = None, source: str = "state dict") -> "Transformer":
+        """Build from local-key ``state`` (names without the ``model.`` prefix)."""
+        with torch.device("meta"):
+            model = cls(config)
+        assign_state(model, state, dtype=dtype, device=device, source=source)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.eval()
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write ``config.json`` (HF LlamaConfig/Qwen2Config compatible) and ``model.safetensors`` in HF key names."""
+        cfg = self.config.to_hf_dict()
+        cfg["torch_dtype"] = str(self.dtype).removeprefix("torch.")
+        state = {}
+        for k, v in self.state_dict().items():
+            if k == "lm_head.weight":
+                if self.config.tie_word_embeddings:
+                    continue  # HF omits tied weights; safetensors refuses shared storage anyway
+                state[k] = v
+            else:
+                state["model." + k] = v
+        save_state_dict(state, path, cfg)
+
+
+def hf_to_local_keys(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map HF names (``model.layers.0...``, ``lm_head.weight``) to ours; drop saved rotary buffers."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(IGNORED_CHECKPOINT_SUFFIXES):
+            continue
+        out[k.removeprefix("model.")] = v
+    return out
+
+
+def assign_state(module: nn.Module, state: dict[str, Tensor], *, dtype: torch.dtype,
+                 device: torch.device | str | None, source: str) -> None:
+    """Load ``state`` into ``module`` (built on meta) with strict, named key and shape checks.
+
+    Floating tensors are cast to ``dtype``; integer/bool buffers keep theirs. A tied ``lm_head.weight``
+    (config.tie_word_embeddings) is neither required nor used: the caller re-ties it.
+    """
+    expected = dict(module.state_dict(keep_vars=True))
+    if getattr(module, "config", None) is not None and getattr(module.config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {source} does not match the model: missing keys {_names(missing)}, "
+                         f"unexpected keys {_names(unexpected)}")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise ValueError(f"checkpoint {source}: key {k} has shape {tuple(v.shape)}, the model expects "
+                             f"{tuple(expected[k].shape)}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cast = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    module.load_state_dict(cast, strict=False, assign=True)
+
+
+def _names(keys: list[str], limit: int = 12) -> str:
+    if not keys:
+        return "[]"
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)} total)"

@@ -1,0 +1,226 @@
+"""Exact cases: greedy chains and trees, processed probabilities, seeded determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from samplers import (
+    PLACEHOLDER_TOKEN_ID,
+    chain_speculative_sampling,
+    greedy_verify,
+    logits_to_probs,
+    sample,
+    tree_verify,
+)
+
+V = 8
+
+
+def _logits_for(argmaxes, vocab=V):
+    """Target logits [B, T, V] whose argmax at [b, t] is argmaxes[b][t]."""
+    ids = torch.tensor(argmaxes)
+    logits = torch.randn(*ids.shape, vocab, generator=torch.Generator().manual_seed(0))
+    return logits.scatter(-1, ids.unsqueeze(-1), 10.0)
+
+
+# ----------------------------------------------------------------------------- greedy_verify
+
+
+@pytest.mark.parametrize(
+    "draft, argmax, expected, emitted",
+    [
+        ([[1, 2, 3]], [[1, 2, 3, 4]], [[1, 2, 3, 4]], [3]),  # perfect match + bonus
+        ([[1, 2, 3]], [[1, 5, 3, 4]], [[1, 5, -1, -1]], [1]),  # early mismatch
+        ([[1, 2, 3]], [[0, 2, 3, 4]], [[0, -1, -1, -1]], [0]),  # first token wrong
+        ([[1], [2]], [[1, 7], [3, 7]], [[1, 7], [3, -1]], [1, 0]),  # K = 1, two sequences
+        ([[], []], [[6], [2]], [[6], [2]], [0, 0]),  # K = 0: just the target's token
+        (  # several sequences, different stopping points
+            [[1, 2, 3], [4, 4, 4], [7, 6, 5]],
+            [[1, 2, 0, 0], [4, 4, 4, 1], [0, 6, 5, 1]],
+            [[1, 2, 0, -1], [4, 4, 4, 1], [0, -1, -1, -1]],
+            [2, 3, 0],
+        ),
+    ],
+)
+def test_greedy_verify_exact(draft, argmax, expected, emitted):
+    draft_ids = torch.tensor(draft, dtype=torch.long).view(len(argmax), -1)
+    out, num = greedy_verify(draft_ids, _logits_for(argmax))
+    assert out.dtype == torch.int32 and num.dtype == torch.int32
+    assert out.tolist() == expected
+    assert num.tolist() == emitted
+
+
+def test_greedy_verify_out_of_range_draft_is_rejected():
+    draft = torch.tensor([[1, -3], [V + 5, 2]])
+    out, num = greedy_verify(draft, _logits_for([[1, 0, 4], [2, 2, 4]]))
+    assert out.tolist() == [[1, 0, -1], [2, -1, -1]]
+    assert num.tolist() == [1, 0]
+
+
+def test_greedy_verify_does_not_mutate_and_reports_nan_rows():
+    logits = _logits_for([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    logits[0, 1, 4] = float("nan")
+    logits[2, 2] = float("inf")
+    before = logits.clone()
+    out, num, bad = greedy_verify(torch.tensor([[1, 2]] * 3), logits, return_nonfinite=True)
+    assert torch.equal(before.isnan(), logits.isnan()) and torch.equal(before.nan_to_num(), logits.nan_to_num())
+    assert bad.tolist() == [True, False, True]
+    assert ((out >= 0) & (out < V) | (out == PLACEHOLDER_TOKEN_ID)).all()
+
+
+# ----------------------------------------------------------------------------- tree, greedy
+
+
+def _tree_logits(argmax_per_node):
+    return _logits_for(argmax_per_node)
+
+
+def test_tree_greedy_second_sibling_matches():
+    # root -> 1 (tok 3), 2 (tok 5); 2 -> 3 (tok 6). Target: root says 5, node 2 says 6, node 3 says 1.
+    tokens = torch.tensor([[0, 3, 5, 6]])
+    parents = torch.tensor([[-1, 0, 0, 2]])
+    res = tree_verify(tokens, parents, _tree_logits([[5, 0, 6, 1]]))
+    assert res.accepted_node_ids.tolist() == [[2, 3]]
+    assert res.output_token_ids.tolist() == [[5, 6, 1]]
+    assert res.num_emitted.tolist() == [3]
+    assert res.nonfinite_rows.tolist() == [False]
+
+
+def test_tree_greedy_duplicate_siblings_take_the_first():
+    tokens = torch.tensor([[0, 4, 4]])
+    parents = torch.tensor([[-1, 0, 0]])
+    res = tree_verify(tokens, parents, _tree_logits([[4, 2, 3]]))
+    assert res.accepted_node_ids.tolist() == [[1]]
+    assert res.output_token_ids.tolist() == [[4, 2]]
+
+
+def test_tree_greedy_padded_batch():
+    # row 0: chain of 3 real nodes; row 1: root + one child, rest padding (parent -1);
+    # row 2: root only, its children never match.
+    tokens = torch.tensor([[0, 1, 2, 3], [0, 7, 7, 7], [0, 5, 6, 7]])
+    parents = torch.tensor([[-1, 0, 1, 2], [-1, 0, -1, -1], [-1, 0, 0, 0]])
+    argmax = [[1, 2, 3, 4], [7, 1, 0, 0], [2, 0, 0, 0]]
+    res = tree_verify(tokens, parents, _tree_logits(argmax))
+    assert res.accepted_node_ids.tolist() == [[1, 2, 3], [1, -1, -1], [-1, -1, -1]]
+    assert res.output_token_ids.tolist() == [[1, 2, 3, 4], [7, 1, -1, -1], [2, -1, -1, -1]]
+    assert res.num_emitted.tolist() == [4, 2, 1]
+
+
+def test_tree_padding_nodes_are_never_followed():
+    # node 2 is padding (parent -1) even though its token matches; node 3's parent is padding.
+    tokens = torch.tensor([[0, 1, 4, 5]])
+    parents = torch.tensor([[-1, 0, -1, 2]])
+    res = tree_verify(tokens, parents, _tree_logits([[4, 0, 5, 0]]), max_depth=2)
+    assert res.output_token_ids.tolist() == [[4, -1, -1]]
+    assert res.accepted_node_ids.tolist() == [[-1, -1]]
+
+
+def test_tree_max_depth_width_and_cut():
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    parents = torch.tensor([[-1, 0, 1, 2]])
+    logits = _tree_logits([[1, 2, 3, 4]])
+    assert tree_verify(tokens, parents, logits).output_token_ids.shape == (1, 4)
+    cut = tree_verify(tokens, parents, logits, max_depth=1)
+    assert cut.output_token_ids.tolist() == [[1, 2]]  # the bonus comes from node 1's logits
+    assert cut.accepted_node_ids.tolist() == [[1]]
+
+
+def test_tree_root_only():
+    res = tree_verify(torch.tensor([[0]]), torch.tensor([[-1]]), _tree_logits([[6]]))
+    assert res.output_token_ids.tolist() == [[6]]
+    assert res.accepted_node_ids.shape == (1, 0)
+
+
+def test_tree_greedy_with_draft_probs_ignores_q():
+    tokens = torch.tensor([[0, 3, 5]])
+    parents = torch.tensor([[-1, 0, 0]])
+    q = torch.zeros(1, 3, V)  # a broken drafter must not stop a greedy match
+    res = tree_verify(tokens, parents, _tree_logits([[5, 0, 2]]), draft_probs=q)
+    assert res.output_token_ids.tolist() == [[5, 2]]
+    assert res.nonfinite_rows.tolist() == [True]
+
+
+def test_tree_mixed_greedy_and_sampled_rows():
+    tokens = torch.tensor([[0, 3, 5]] * 2)
+    parents = torch.tensor([[-1, 0, 0]] * 2)
+    logits = _tree_logits([[5, 0, 2], [5, 0, 2]])
+    res = tree_verify(tokens, parents, logits, temperature=torch.tensor([0.0, 1.0]), generator=torch.Generator().manual_seed(0))
+    assert res.output_token_ids[0].tolist() == [5, 2]
+
+
+def test_tree_out_of_range_child_token_is_never_accepted():
+    tokens = torch.tensor([[0, -1, V + 2, 2]])
+    parents = torch.tensor([[-1, 0, 0, 0]])
+    res = tree_verify(tokens, parents, _tree_logits([[2, 0, 0, 6]]))
+    assert res.output_token_ids.tolist() == [[2, 6]]
+
+
+# ----------------------------------------------------------------------------- probs
+
+
+def test_logits_to_probs_greedy_and_topk():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]])
+    probs = logits_to_probs(logits, temperature=torch.tensor([0.0, 1.0]), top_k=2)
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    # ties at the top-k boundary are kept together
+    assert torch.allclose(probs[1], torch.full((4,), 0.25))
+    assert probs.dtype == torch.float32
+
+
+def test_logits_to_probs_top_p_keeps_boundary_token():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = logits_to_probs(logits, top_p=0.6)  # 0.5 < 0.6 -> keep the 0.3 token too
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    assert torch.allclose(logits_to_probs(logits, top_p=1.0), logits.softmax(-1))
+    min_p = logits_to_probs(logits, min_p=0.5)  # keep p >= 0.25
+    assert torch.allclose(min_p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_sample_greedy_rows_are_argmax():
+    logits = torch.randn(64, 33, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
+
+
+def test_tiny_temperature_stays_finite():
+    logits = torch.tensor([[1e30, -1e30, 0.0, 1.0]])
+    probs = logits_to_probs(logits, temperature=1e-20)
+    assert torch.isfinite(probs).all() and probs[0, 0] == 1.0
+
+
+# ----------------------------------------------------------------------------- determinism
+
+
+def _run_all(seed):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.Generator().manual_seed(123)
+    logits = torch.randn(16, 11, generator=data)
+    tp = torch.randn(16, 4, 11, generator=data).softmax(-1)
+    dp = torch.randn(16, 3, 11, generator=data).softmax(-1)
+    ids = torch.randint(0, 11, (16, 3), generator=data)
+    tree_logits = torch.randn(16, 5, 11, generator=data)
+    tokens = torch.randint(0, 11, (16, 5), generator=data)
+    parents = torch.tensor([[-1, 0, 0, 1, 2]] * 16)
+    return (
+        sample(logits, top_k=5, generator=g),
+        *chain_speculative_sampling(dp, ids, tp, generator=g),
+        tree_verify(tokens, parents, tree_logits, temperature=0.8, generator=g).output_token_ids,
+        tree_verify(tokens, parents, tree_logits, temperature=0.8, draft_probs=tp[:, :1].expand(16, 5, 11), generator=g).output_token_ids,
+    )
+
+
+def test_seeded_determinism():
+    first, again, other = _run_all(7), _run_all(7), _run_all(8)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_chain_deterministic_draft_accepts_certain_token():
+    # p puts all mass on the drafted tokens: always accepted, bonus from the last row.
+    tp = torch.zeros(2, 3, V)
+    tp[:, 0, 4] = 1
+    tp[:, 1, 2] = 1
+    tp[:, 2, 7] = 1
+    out, accepted, emitted = chain_speculative_sampling(None, torch.tensor([[4, 2], [4, 3]]), tp)
+    assert out.tolist() == [[4, 2, 7], [4, 2, -1]]
+    assert emitted.tolist() == [2, 1] and accepted.tolist() == [2, 1]

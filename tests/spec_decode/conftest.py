@@ -1,0 +1,36 @@
+"""Fixtures over the small random-model factories in ``tiny_models`` (shared with the pipeline tests).
+
+``factories`` is a namespace holding ``tiny_config``, ``make_tiny_target``, ``make_tiny_eagle`` and
+``make_tiny_eagle3``; ``tiny_target_dir`` is a saved target and ``tiny_target`` the same loaded in fp32.
+Module-scoped fixtures import the factories directly: ``from tiny_models import ...``.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_decode.model import Transformer
+from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target, tiny_config
+
+
+@pytest.fixture
+def factories():
+    """Namespace with tiny_config, make_tiny_target, make_tiny_eagle, make_tiny_eagle3."""
+    return types.SimpleNamespace(tiny_config=tiny_config, make_tiny_target=make_tiny_target,
+                                 make_tiny_eagle=make_tiny_eagle, make_tiny_eagle3=make_tiny_eagle3)
+
+
+@pytest.fixture
+def tiny_target_dir(tmp_path) -> Path:
+    """A saved random tiny target (float32)."""
+    return make_tiny_target(tmp_path)
+
+
+@pytest.fixture
+def tiny_target(tiny_target_dir) -> Transformer:
+    """The tiny target loaded in float32."""
+    return Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)

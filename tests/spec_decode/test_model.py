@@ -1,0 +1,375 @@
+"""Tests for spec_decode.model: HF parity, checkpoint IO, and KV-cache semantics (tree, commit, padding, reset).
+
+HF parity tolerance: float32, atol = rtol = 1e-4 on logits of O(1) magnitude (observed differences ~1e-6;
+they come from a different attention kernel path and op order, not from semantics).
+Cache-consistency tolerance: float32, atol = 1e-5 (same kernels, different query blocking).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spec_decode.checkpoint import SAFETENSORS_INDEX_NAME
+from spec_decode.model import KVCache, ModelConfig, Transformer, build_attention_mask
+
+from tiny_models import _randomize_, make_tiny_target, tiny_config
+
+transformers = pytest.importorskip("transformers", reason="transformers not installed (HF parity tests need it)")
+
+HF_ATOL = HF_RTOL = 1e-4
+CACHE_ATOL = 1e-5
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def _hf_model(kind: str, seed: int = 0):
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+    elif kind == "llama3_rope":
+        cfg = transformers.LlamaConfig(**common, rope_scaling=dict(LLAMA3_ROPE), rope_theta=500000.0)
+    elif kind == "llama_linear_bias_mha":
+        cfg = transformers.LlamaConfig(**{**common, "num_key_value_heads": 4}, attention_bias=True,
+                                       rope_scaling={"rope_type": "linear", "factor": 2.0})
+    elif kind == "qwen2_tied":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    else:
+        raise AssertionError(kind)
+    torch.manual_seed(seed)
+    model = {"qwen2_tied": transformers.Qwen2ForCausalLM}.get(kind, transformers.LlamaForCausalLM)(cfg).eval()
+    _randomize_(model, seed)  # HF's init has zero biases and unit norms: randomize so every term matters
+    return model
+
+
+def _ids(B: int, T: int, V: int = 97, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "llama_linear_bias_mha", "qwen2_tied"])
+def test_logits_match_transformers(kind, tmp_path):
+    hf = _hf_model(kind)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = Transformer.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    ids = _ids(2, 40)  # positions up to 39 > original_max_position_embeddings=16: llama3 scaling is exercised
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        out = ours(ids, ours.new_cache(2, 48), aux_layers=(0, 1))
+    torch.testing.assert_close(out.logits, ref.logits, atol=HF_ATOL, rtol=HF_RTOL)
+    torch.testing.assert_close(out.hidden, ref.hidden_states[-1], atol=HF_ATOL, rtol=HF_RTOL)  # post final norm
+    # aux layer i = residual stream after decoder layer i = HF hidden_states[i + 1]
+    torch.testing.assert_close(out.aux_hidden[0], ref.hidden_states[1], atol=HF_ATOL, rtol=HF_RTOL)
+    torch.testing.assert_close(out.aux_hidden[1], ref.hidden_states[2], atol=HF_ATOL, rtol=HF_RTOL)
+    assert ref.logits.std() > 0.3  # the comparison is not between two near-zero tensors
+
+    # our save -> transformers load gives the same model back
+    ours.save_pretrained(tmp_path / "ours")
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf2(ids).logits, ref.logits, atol=HF_ATOL, rtol=HF_RTOL)
+
+
+def test_llama3_rope_scaling_changes_logits(tmp_path):
+    """Guards the parity test above: without scaling the llama3 checkpoint's logits differ."""
+    hf = _hf_model("llama3_rope")
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    ours = Transformer.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ours.config.rope_scaling["rope_type"] == "llama3"
+    ours.config.rope_scaling = None
+    ours._inv_freq.clear()
+    ids = _ids(1, 40)
+    with torch.no_grad():
+        diff = (ours(ids, ours.new_cache(1, 40)).logits - hf(ids).logits).abs().max()
+    assert diff > 1e-2, cfg
+
+
+def test_config_parsing_variants():
+    v4 = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "rope_theta": 5.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    c = ModelConfig.from_hf_dict(v4)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0} and c.rope_theta == 5.0
+    assert c.num_key_value_heads == 2 and c.head_dim == 4 and not c.attention_bias
+    v5 = {**v4, "rope_scaling": None, "rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}
+    v5.pop("rope_theta")
+    c5 = ModelConfig.from_hf_dict(v5)
+    assert c5.rope_scaling is None and c5.rope_theta == 7.0
+    assert ModelConfig.from_hf_dict({**v4, "model_type": "qwen2"}).attention_bias
+    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict({**v4, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config(num_attention_heads=4, num_key_value_heads=3)
+
+
+# ------------------------------------------------------------------------------------------ checkpoint IO
+def _write_sharded(model: Transformer, path, fmt: str) -> None:
+    """Write ``model`` as two shards plus an index (HF naming)."""
+    from safetensors.torch import save_file
+
+    model.save_pretrained(path)  # config.json + model.safetensors
+    (path / "model.safetensors").unlink()
+    state = {("model." + k if k != "lm_head.weight" else k): v.contiguous() for k, v in model.state_dict().items()}
+    keys = sorted(state)
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    prefix = "model" if fmt == "safetensors" else "pytorch_model"
+    shards = {f"{prefix}-00001-of-00002.{ext}": keys[: len(keys) // 2], f"{prefix}-00002-of-00002.{ext}": keys[len(keys) // 2:]}
+    weight_map = {}
+    for name, ks in shards.items():
+        part = {k: state[k] for k in ks}
+        save_file(part, path / name) if fmt == "safetensors" else torch.save(part, path / name)
+        weight_map.update({k: name for k in ks})
+    index = SAFETENSORS_INDEX_NAME if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (path / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_sharded_index_loading(tmp_path, fmt):
+    src = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.float32)
+    _write_sharded(src, tmp_path / "sharded", fmt)
+    loaded = Transformer.from_pretrained(tmp_path / "sharded", dtype=torch.float32)
+    for (k, a), (k2, b) in zip(src.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+
+
+def test_pytorch_model_bin_fallback(tmp_path):
+    src = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.float32)
+    d = tmp_path / "bin"
+    src.save_pretrained(d)
+    (d / "model.safetensors").unlink()
+    torch.save({"model." + k if k != "lm_head.weight" else k: v for k, v in src.state_dict().items()},
+               d / "pytorch_model.bin")
+    loaded = Transformer.from_pretrained(d, dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_dtype_and_roundtrip(tmp_path):
+    path = make_tiny_target(tmp_path)
+    m = Transformer.from_pretrained(path)  # default bfloat16
+    assert m.dtype == torch.bfloat16 and m.new_cache(1, 4).k.dtype == torch.bfloat16
+    m.save_pretrained(tmp_path / "again")
+    m2 = Transformer.from_pretrained(tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_missing_files_raise_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Transformer.from_pretrained(tmp_path)
+    path = make_tiny_target(tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=str(path)):
+        Transformer.from_pretrained(path)
+    src = Transformer.from_pretrained(make_tiny_target(tmp_path, name="t2"), dtype=torch.float32)
+    _write_sharded(src, tmp_path / "sh", "safetensors")
+    (tmp_path / "sh" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        Transformer.from_pretrained(tmp_path / "sh")
+
+
+def test_key_mismatch_names_keys(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_target(tmp_path)
+    state = load_file(path / "model.safetensors")
+    state["model.layers.0.mystery.weight"] = state.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing keys \[layers\.1\.mlp\.up_proj\.weight\].*unexpected keys "
+                                         r"\[layers\.0\.mystery\.weight\]"):
+        Transformer.from_pretrained(path)
+    state["model.layers.1.mlp.up_proj.weight"] = state.pop("model.layers.0.mystery.weight")[:, :3].contiguous()
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.1.mlp.up_proj.weight has shape"):
+        Transformer.from_pretrained(path)
+
+
+# ------------------------------------------------------------------------------------------ cache semantics
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_target(tmp_path_factory.mktemp("model"), rope_scaling=dict(LLAMA3_ROPE))
+    return Transformer.from_pretrained(path, dtype=torch.float32)
+
+
+def _fresh_logits(model, ids_row: list[int]) -> torch.Tensor:
+    """Logits of one request run as a single causal block on a fresh cache. Shape [T, V]."""
+    ids = torch.tensor([ids_row])
+    return model(ids, model.new_cache(1, len(ids_row))).logits[0]
+
+
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_forward(model):
+    ids = _ids(3, 12, seed=1)
+    full = model(ids, model.new_cache(3, 16)).logits
+    cache = model.new_cache(3, 16)
+    parts = [model(ids[:, :5], cache).logits]
+    cache.commit(torch.full((3,), 5))
+    for t in range(5, 12):
+        parts.append(model(ids[:, t:t + 1], cache, kv_len=t + 1).logits)  # kv_len slicing exercised too
+        cache.commit(torch.ones(3, dtype=torch.int32))
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=CACHE_ATOL, rtol=0)
+    assert cache.lengths.tolist() == [12, 12, 12]
+
+
+# tree:      0
+#          / | \
+#         1  2  3
+#        / \     \
+#       4   5     6
+#           |
+#           7
+TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 3, 5]
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+@torch.no_grad()
+def test_tree_block_equals_each_path_run_separately(model):
+    prompts = _ids(2, 6, seed=2)
+    tree_tokens = _ids(2, len(TREE_PARENTS), seed=3)
+    mask = _tree_mask(TREE_PARENTS)[None].expand(2, -1, -1)
+    depth = torch.tensor([len(_path(TREE_PARENTS, i)) - 1 for i in range(len(TREE_PARENTS))])
+    cache = model.new_cache(2, 16)
+    model(prompts, cache)
+    cache.commit(torch.full((2,), 6))
+    out = model(tree_tokens, cache, tree_mask=mask, position_ids=6 + depth[None].expand(2, -1)).logits
+    for b in range(2):
+        for node in range(len(TREE_PARENTS)):
+            row = prompts[b].tolist() + [tree_tokens[b, i].item() for i in _path(TREE_PARENTS, node)]
+            torch.testing.assert_close(out[b, node], _fresh_logits(model, row)[-1], atol=CACHE_ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_tree_mask_matters(model):
+    """Mutant check for the test above: a causal mask over the same tree block gives different logits."""
+    prompts, tree_tokens = _ids(1, 6, seed=2), _ids(1, len(TREE_PARENTS), seed=3)
+    cache = model.new_cache(1, 16)
+    model(prompts, cache)
+    cache.commit(torch.tensor([6]))
+    causal = model(tree_tokens, cache).logits[0, 2]
+    row = prompts[0].tolist() + [tree_tokens[0, 0].item(), tree_tokens[0, 2].item()]
+    assert (causal - _fresh_logits(model, row)[-1]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_commit_rel_idx_then_continue_equals_fresh_run(model):
+    prompts = _ids(2, 6, seed=4)
+    tree_tokens = _ids(2, len(TREE_PARENTS), seed=5)
+    mask = _tree_mask(TREE_PARENTS)[None].expand(2, -1, -1)
+    cache = model.new_cache(2, 20)
+    model(prompts, cache)
+    cache.commit(torch.full((2,), 6))
+    depth = torch.tensor([len(_path(TREE_PARENTS, i)) - 1 for i in range(len(TREE_PARENTS))])
+    model(tree_tokens, cache, tree_mask=mask, position_ids=6 + depth[None].expand(2, -1))
+    # request 0 accepts 0 -> 1 -> 5 -> 7, request 1 accepts 0 -> 3 (padded with -1)
+    accepted = torch.tensor([[0, 1, 5, 7], [0, 3, -1, -1]])
+    num = torch.tensor([4, 2])
+    cache.commit(num, accepted)
+    assert cache.lengths.tolist() == [10, 8]
+    nxt = _ids(2, 3, seed=6)
+    out = model(nxt, cache).logits
+    for b in range(2):
+        path = [tree_tokens[b, i].item() for i in accepted[b, : num[b]].tolist()]
+        ref = _fresh_logits(model, prompts[b].tolist() + path + nxt[b].tolist())[-3:]
+        torch.testing.assert_close(out[b], ref, atol=CACHE_ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_commit_overlapping_moves_are_safe():
+    """Row j := row rel_idx[j] with sources that are later overwritten (0 <- 1, 1 <- 2, 2 <- 0 rotation)."""
+    cache = KVCache.empty(1, 1, 1, 6, 1, dtype=torch.float32)
+    cache.k[0, 0, 0, :, 0] = torch.arange(6.0)
+    cache.lengths.fill_(2)
+    cache.commit(torch.tensor([3]), torch.tensor([[1, 2, 0, -1]]))
+    assert cache.k[0, 0, 0, :, 0].tolist() == [0, 1, 3, 4, 2, 5]
+    assert cache.lengths.tolist() == [5]
+
+
+@torch.no_grad()
+def test_right_padded_batch_equals_per_request_runs(model):
+    lens = [5, 9, 1]
+    prompts = [_ids(1, n, seed=10 + i)[0].tolist() for i, n in enumerate(lens)]
+    padded = torch.zeros(3, 9, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = torch.tensor(p)
+    input_lens = torch.tensor(lens)
+    cache = model.new_cache(3, 12)
+    out = model(padded, cache, input_lens=input_lens).logits
+    assert torch.isfinite(out).all()  # padded query rows never see an empty softmax row
+    cache.commit(input_lens)
+    step = _ids(3, 2, seed=20)
+    out2 = model(step, cache).logits
+    for b, p in enumerate(prompts):
+        ref = _fresh_logits(model, p + step[b].tolist())
+        torch.testing.assert_close(out[b, : lens[b]], ref[: lens[b]], atol=CACHE_ATOL, rtol=0)
+        torch.testing.assert_close(out2[b], ref[lens[b]:], atol=CACHE_ATOL, rtol=0)
+
+
+def test_mask_has_no_empty_rows():
+    lengths = torch.tensor([0, 3])
+    tree = torch.zeros(2, 4, 4, dtype=torch.bool)  # even a tree mask without the diagonal
+    m = build_attention_mask(lengths, 4, 8, tree, input_lens=torch.tensor([0, 2]))
+    assert m.shape == (2, 1, 4, 8) and m.any(-1).all()
+    causal = build_attention_mask(torch.tensor([2]), 3, 6)[0, 0]
+    assert causal.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]]
+
+
+@torch.no_grad()
+def test_reset_slots_zeros_only_masked_slots(model):
+    cache = model.new_cache(3, 10)
+    model(_ids(3, 5, seed=7), cache)
+    cache.commit(torch.tensor([5, 4, 3]))
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    cache.reset_slots(torch.tensor([False, True, False]))
+    assert cache.lengths.tolist() == [5, 0, 3]
+    assert (cache.k[:, 1] == 0).all() and (cache.v[:, 1] == 0).all()
+    for b in (0, 2):
+        assert torch.equal(cache.k[:, b], before_k[:, b]) and torch.equal(cache.v[:, b], before_v[:, b])
+    # a reset slot then behaves like a fresh one
+    ids = _ids(3, 4, seed=8)
+    out = model(ids, cache).logits[1]
+    torch.testing.assert_close(out, _fresh_logits(model, ids[1].tolist()), atol=CACHE_ATOL, rtol=0)
+
+
+def test_bad_inputs_raise_value_error(model):
+    cache = model.new_cache(2, 8)
+    ids = _ids(2, 3)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids.float(), cache)
+    with pytest.raises(ValueError, match="cache has batch size 2"):
+        model(_ids(3, 3), cache)
+    with pytest.raises(ValueError, match="tree_mask"):
+        model(ids, cache, tree_mask=torch.ones(2, 3, 3))
+    with pytest.raises(ValueError, match="position_ids"):
+        model(ids, cache, position_ids=torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_lens"):
+        model(ids, cache, input_lens=torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="aux_layers"):
+        model(ids, cache, aux_layers=(7,))
+    with pytest.raises(ValueError, match="kv_len"):
+        model(ids, cache, kv_len=9)
+    with pytest.raises(ValueError, match="slot_mask"):
+        cache.reset_slots(torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="rel_idx"):
+        cache.commit(torch.ones(2), torch.zeros(3, 1, dtype=torch.long))
