@@ -191,5 +191,13 @@ def sample(
     check_generator(generator, logits.device)
     params = RowParams.parse(batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
     work, nonfinite = prepare_logits(logits, nan_policy)
-    ids = race_sample(process_logits(work, params), generator)
+    if is_all_greedy(temperature):
+        ids = work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
+    else:
+        ids = race_sample(process_logits(work, params), generator)
     return (ids, nonfinite) if return_nonfinite else ids
+
+
+def is_all_greedy(temperature) -> bool:
+    """True when ``temperature`` is a Python number 0 (no tensor read: a host-side fact)."""
+    return isinstance(temperature, (int, float)) and temperature == 0

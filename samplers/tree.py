@@ -27,7 +27,7 @@ from samplers._params import (
     check_shape,
     check_vocab,
 )
-from samplers.probs import PLACEHOLDER_TOKEN_ID, RowParams, process_logits, race_sample
+from samplers.probs import PLACEHOLDER_TOKEN_ID, RowParams, is_all_greedy, process_logits, race_sample
 
 
 @dataclass(frozen=True)
@@ -180,13 +180,16 @@ def tree_verify(
 
     raise_if_nonfinite_probs(nan_policy, draft_probs)
     work, nonfinite = prepare_logits(target_logits, nan_policy)  # [B, N, V] float32
-    probs = process_logits(work.view(batch * n, vocab), params.repeat(n)).view(batch, n, vocab)
+    token_ok = (tokens >= 0) & (tokens < vocab)
+    walk = _Walk(tree, tokens.clamp(0, vocab - 1), token_ok, params.temperature <= 0, generator)
     q_all = None
     if draft_probs is not None:
         q_all, bad_q = clean_probs(draft_probs, zero_rows="zero")
         nonfinite = nonfinite | (bad_q & tree.reachable).any(1)
-    token_ok = (tokens >= 0) & (tokens < vocab)
-    walk = _Walk(tree, tokens.clamp(0, vocab - 1), token_ok, params.temperature <= 0, generator)
+    if is_all_greedy(temperature):
+        # Every row greedy: the argmax per node is all the walk needs (q is not consulted).
+        return _descend(walk, None, None, max_depth, 0, nonfinite, argmax_ids=work.argmax(-1))
+    probs = process_logits(work.view(batch * n, vocab), params.repeat(n)).view(batch, n, vocab)
     return _descend(walk, probs, q_all, max_depth, max_children or 0, nonfinite)
 
 
@@ -199,26 +202,31 @@ class _Walk:
     generator: torch.Generator | None
 
 
-def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite) -> TreeVerifyResult:
+def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, argmax_ids=None) -> TreeVerifyResult:
     """Walk every row from the root, one depth level per step.
 
-    Shape: probs [B, N, V] float32 target distributions; q_all [B, N, V] or None.
+    Shape: probs [B, N, V] float32 target distributions; q_all [B, N, V] or None;
+    argmax_ids [B, N] (all rows greedy; then probs is None).
     """
-    batch, n, _ = probs.shape
-    device = probs.device
+    batch, n = walk.tokens.shape
+    device = walk.tokens.device
     rows = torch.arange(batch, device=device)
     cur = torch.zeros(batch, dtype=torch.long, device=device)  # current node, starts at root
     active = torch.ones(batch, dtype=torch.bool, device=device)
     out = torch.full((batch, depth_bound + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     path = torch.full((batch, depth_bound), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     for step in range(depth_bound + 1):
-        p = probs[rows, cur]  # [B, V]
         is_child = walk.tree.reachable & (walk.tree.parents == cur.unsqueeze(1)) & walk.token_ok
         if step == depth_bound:
             is_child = torch.zeros_like(is_child)  # the depth bound cuts the path here
-        if q_all is None:
+        if argmax_ids is not None:
+            token = argmax_ids[rows, cur]
+            child, has = _first_true(is_child & (walk.tokens == token.unsqueeze(1)))
+        elif q_all is None:
+            p = probs[rows, cur]  # [B, V]
             child, has, token = _follow_sample(p, is_child, walk)
         else:
+            p = probs[rows, cur]
             child, has, token = _follow_rejection(p, q_all[rows, cur], is_child, walk, children_bound)
         out[:, step] = torch.where(active, token, PLACEHOLDER_TOKEN_ID)
         if step < depth_bound:

@@ -17,8 +17,8 @@ spec rows
     ever commits tokens the target accepted, so nothing speculative survives a step.
 
 The drafter protocol is a callable ``(tokens [B,T], hidden [B,T,H] | None, cache, position_ids,
-tree_mask, input_lens) -> (logits [B,T,Vd], hidden [B,T,H])`` plus ``to_target_ids``; see
-``pipeline._DrafterAdapter``.
+tree_mask, input_lens, rows) -> (logits [B,R,Vd] of the requested rows, hidden [B,T,H] | None)``
+plus ``to_target_ids``; see ``pipeline._Drafter``.
 """
 from __future__ import annotations
 
@@ -145,9 +145,10 @@ def draft_tree(drafter, cache, root: torch.Tensor, first_logits: torch.Tensor,
         offset = torch.arange(step, device=device).repeat_interleave(k).expand(B, R)
         mask = ancestor_mask(parents, step)
         hidden = torch.cat(spec_hidden, 1) if spec_hidden else None
-        logits, out_hidden = drafter(tokens, hidden, cache, cache.lengths[:, None] + offset, mask, None)
+        logits, out_hidden = drafter(tokens, hidden, cache, cache.lengths[:, None] + offset, mask, None,
+                                     slice(base, base + k))
 
-        lp, ids = _topk_logprobs(logits[:, base:base + k], k)       # [B, k(frontier), k(child)]
+        lp, ids = _topk_logprobs(logits, k)                         # [B, k(frontier), k(child)]
         cand_score = (frontier_score[:, :, None] + lp).reshape(B, k * k)
         cand_tokens = drafter.to_target_ids(ids).reshape(B, k * k)
         cand_parent = frontier_pool[:, :, None].expand(B, k, k).reshape(B, k * k)

@@ -88,11 +88,11 @@ class DraftOutput:
     """Result of a draft head forward.
 
     Shape:
-        logits: [B, T, Vd] (Vd = V for EagleHead)
+        logits: [B, T, Vd] (Vd = V for EagleHead); None when ``return_logits=False``
         hidden: [B, T, H], the feature to feed back for the next draft step
     """
 
-    logits: Tensor
+    logits: Tensor | None
     hidden: Tensor
 
 
@@ -230,7 +230,7 @@ class EagleHead(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -243,7 +243,11 @@ class EagleHead(_DraftHead):
         x = self.fc(torch.cat((emb, hidden), dim=-1))  # (B, T, H)
         for i, layer in enumerate(self.layers):
             x = layer(x, blk.cos, blk.sin, cache, i, blk.write_pos, blk.mask)
-        return DraftOutput(logits=self.lm_head(x), hidden=x)
+        return DraftOutput(logits=self.compute_logits(x) if return_logits else None, hidden=x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """The target's lm_head on head features (no norm, as published). Shape: [..., H] -> [..., V]."""
+        return self.lm_head(hidden)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Identity: the draft vocabulary is the target's."""
@@ -340,7 +344,7 @@ class Eagle3Head(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -354,7 +358,11 @@ class Eagle3Head(_DraftHead):
         if feature.shape[-1] == 3 * H:
             feature = self.fc(feature)
         x = self.midlayer(emb, feature, blk, cache)
-        return DraftOutput(logits=self.lm_head(self.norm(x)), hidden=x)
+        return DraftOutput(logits=self.compute_logits(x) if return_logits else None, hidden=x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocabulary logits of head features. Shape: [..., H] -> [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids to target ids: ``d + d2t[d]``. Shape: any -> same."""

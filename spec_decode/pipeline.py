@@ -76,14 +76,28 @@ class StepStats:
 
 @dataclass
 class _Sampling:
-    """Per-row sampling parameters as device tensors [B]."""
+    """Per-row sampling parameters as device tensors [B], plus host facts about the whole call.
+
+    ``all_greedy`` / ``any_top_k`` / ``any_top_p`` let the samplers skip work (the [B, V] draw,
+    the sort) when no request needs it; they stay valid, conservatively, as requests finish.
+    """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
 
     def keep(self, idx: torch.Tensor) -> "_Sampling":
-        return _Sampling(self.temperature[idx], self.top_k[idx], self.top_p[idx])
+        return _Sampling(self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                         self.all_greedy, self.any_top_k, self.any_top_p)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for ``samplers.sample`` / ``tree_verify``."""
+        return dict(temperature=0.0 if self.all_greedy else self.temperature,
+                    top_k=self.top_k if self.any_top_k else None,
+                    top_p=self.top_p if self.any_top_p else None)
 
 
 @dataclass
@@ -144,14 +158,23 @@ class _Drafter:
             return self.module.fuse(out.aux_hidden)
         return None
 
-    def __call__(self, tokens, hidden, cache, position_ids, tree_mask, input_lens):
+    def __call__(self, tokens, hidden, cache, position_ids, tree_mask, input_lens, rows):
+        """One drafter forward; logits only for ``rows`` (the lm_head dominates a tiny head's cost).
+
+        Shape: tokens [B, T]; hidden [B, T, H] or None; rows a slice or an index [B, R];
+        returns (logits [B, R, Vd], features [B, T, H] to feed back, or None for a plain LM).
+        """
+        kw = dict(position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens, return_logits=False)
         if self.kind == "draft_model":
-            out = self.module(tokens, cache, position_ids=position_ids, tree_mask=tree_mask,
-                              input_lens=input_lens)
-            return out.logits, None
-        out = self.module(tokens, hidden, cache, position_ids=position_ids, tree_mask=tree_mask,
-                          input_lens=input_lens)
-        return out.logits, out.hidden
+            out = self.module(tokens, cache, **kw)
+        else:
+            out = self.module(tokens, hidden, cache, **kw)
+        if isinstance(rows, slice):
+            picked = out.hidden[:, rows]
+        else:
+            picked = out.hidden.gather(1, rows[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
+        logits = self.module.compute_logits(picked)
+        return logits, (None if self.kind == "draft_model" else out.hidden)
 
 
 class SpecDecoder:
@@ -261,8 +284,7 @@ class SpecDecoder:
         batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host)
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        token = sample(logits, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                       generator=gen, nan_policy="off")
+        token = sample(logits, generator=gen, nan_policy="off", **sampling.kwargs())
         host = self._to_host(token[:, None], torch.ones_like(token), counts, None)
         if self.drafter is not None:
             batch.draft_cache = self.drafter.new_cache(B, max_len)
@@ -285,9 +307,7 @@ class SpecDecoder:
         logits = out.logits[:, 0]
         plan.apply(logits, step, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        s = batch.sampling
-        token = sample(logits, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, generator=gen,
-                       nan_policy="off")
+        token = sample(logits, generator=gen, nan_policy="off", **batch.sampling.kwargs())
         ones = torch.ones_like(token)
         host = self._to_host(token[:, None], ones, counts, None)
         batch.target_cache.commit(ones)
@@ -310,9 +330,8 @@ class SpecDecoder:
                           kv_len=max(batch.target_len) + N)
         plan.apply(out.logits, step, "target_logits", batch.active)
         counts = self._nan_pass(out.logits.view(B * N, -1), N)
-        s = batch.sampling
-        res = tree_verify(tree.tokens, tree.parents, out.logits, temperature=s.temperature, top_k=s.top_k,
-                          top_p=s.top_p, generator=gen, nan_policy="off", max_depth=tree.max_depth)
+        res = tree_verify(tree.tokens, tree.parents, out.logits, generator=gen, nan_policy="off",
+                          max_depth=tree.max_depth, **batch.sampling.kwargs())
         host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_bad)
         batch.target_len = [n + h[1] for n, h in zip(batch.target_len, host)]
         path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]), res.accepted_node_ids.clamp(min=0)], 1)
@@ -335,14 +354,13 @@ class SpecDecoder:
         """
         cache = batch.draft_cache
         lens = batch.catch_lens
-        logits, hidden = self.drafter(batch.catch_tokens, batch.catch_hidden, cache, None, None, lens)
+        last = (lens - 1)[:, None]                                       # [B, 1]
+        logits, hidden = self.drafter(batch.catch_tokens, batch.catch_hidden, cache, None, None, lens, last)
         cache.commit(lens)
-        last = (lens - 1)[:, None]
-        first_logits = logits.gather(1, last[:, :, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         first_hidden = None
         if hidden is not None:
             first_hidden = hidden.gather(1, last[:, :, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
-        return first_logits, first_hidden
+        return logits[:, 0], first_hidden
 
     # ------------------------------------------------------------------ numerics
     def _nan_pass(self, logits2d: torch.Tensor, rows_per_request: int) -> torch.Tensor | None:
@@ -477,7 +495,10 @@ class _Requests:
     def sampling(self, device) -> _Sampling:
         return _Sampling(torch.tensor(self.temperature, dtype=torch.float32, device=device),
                          torch.tensor(self.top_k, dtype=torch.long, device=device),
-                         torch.tensor(self.top_p, dtype=torch.float32, device=device))
+                         torch.tensor(self.top_p, dtype=torch.float32, device=device),
+                         all_greedy=all(t == 0 for t in self.temperature),
+                         any_top_k=any(k > 0 for k in self.top_k),
+                         any_top_p=any(p < 1 for p in self.top_p))
 
 
 def _check_prompts(prompts, vocab_size) -> list[list[int]]:
