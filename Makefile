@@ -1,13 +1,17 @@
-# One entry point for humans and CI. Every target creates or reuses .venv.
+# One entry point for humans and CI. Every target creates or reuses its virtual environment.
 # CPU machines: torch is pinned to the local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
-# GPU users: `make test TORCH_SPEC=torch` (or install your CUDA torch first; see README).
+# GPU users: install your CUDA torch first, then `make test TORCH_SPEC=torch` (see README).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.safespec-installed
 
-.PHONY: venv test test-fp16 demo bench fixtures clean
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.safespec-sglang-installed
+
+.PHONY: venv test test-fp16 test-sglang demo bench bench-numerics fixtures clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,11 +22,41 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# The README's test command: the whole suite in the default verification dtype (bf16).
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The dtype-sensitive tests again with fp16 verification: they assert fp16's documented outcome.
+test-fp16: $(STAMP)
+	$(PY) -m pytest -q -m dtype_sensitive --spec-dtype fp16
+
+# SGLang plugin tests in their own venv (sglang --no-deps plus the pure-Python packages it imports).
+$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt Makefile
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install -q --upgrade pip
+	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install -q --no-deps -r requirements/sglang-cpu.txt
+	$(SGLANG_PY) -m pip install -q --no-deps -e .
+	$(SGLANG_PY) -m pip install -q pytest hypothesis numpy
+	touch $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/test_sglang_plugin.py
+
+# The main job: every method side by side on the shipped tiny models (results in bench_out/).
+bench: $(STAMP)
+	$(PY) -m spec_decode.bench
+
+bench-numerics: $(STAMP)
+	$(PY) -m spec_decode.bench numerics
 
 demo: $(STAMP)
 	$(PY) -m numerics.demo
 
+# Rebuild the trained fixtures from scratch (about 75 min on 2 cores; run it in the background).
+fixtures: $(STAMP)
+	$(PY) fixtures/make_fixtures.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis
