@@ -21,6 +21,7 @@ and a finished or aborted request's state is gone before the next step.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from spec_decode.drafting import DraftTree, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
 
+_log = logging.getLogger("safespec.spec_decode")
 METHODS = ("eagle", "eagle3", "draft_model", "none")
 FINISH_STOP, FINISH_LENGTH, FINISH_NAN_ABORT = "stop", "length", "nan_abort"
 
@@ -404,6 +406,11 @@ class SpecDecoder:
                 corrupted[r] = nan_count
         if corrupted and policy is NanPolicy.RAISE:
             self._raise(batch, req, corrupted)
+        if corrupted and policy is NanPolicy.SANITIZE and not req.warned:
+            req.warned = True   # one warning per call; the counts are already on the host
+            _log.warning("NaN in the target logits of request(s) %s at step %d; sanitized and continuing "
+                         "(nan_policy='sanitize'); their output may be garbage",
+                         [req.results[batch.active[r]].request_id for r in corrupted], step)
         keep = []
         for r, (tokens, num, nan_count, _) in enumerate(host):
             i = batch.active[r]
@@ -464,6 +471,7 @@ class _Requests:
     top_p: list[float]
     stop_ids: list[frozenset]
     results: list[GenerationResult]
+    warned: bool = False
 
     @classmethod
     def build(cls, prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, stop_token_ids,

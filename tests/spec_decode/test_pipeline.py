@@ -162,9 +162,12 @@ def test_abort_zeroes_the_corrupted_kv_slot(models, monkeypatch):
     assert seen == [[False, False, True, False]] * 2   # the target's cache and the drafter's
 
 
-def test_sanitize_keeps_going_and_isolates(models):
+def test_sanitize_keeps_going_and_isolates(models, caplog):
     clean = _decoder(models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=16)
-    _, out = _run_with_fault(models, "sanitize", NanFault(request=0, step=1, site="kv_cache"))
+    with caplog.at_level("WARNING", logger="safespec.spec_decode"):
+        _, out = _run_with_fault(models, "sanitize", NanFault(request=0, step=1, site="kv_cache"))
+    warnings = [r for r in caplog.records if r.name == "safespec.spec_decode"]
+    assert len(warnings) == 1 and "['0']" in warnings[0].getMessage()
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 16
     # The poisoned row stays in the cache, so every later step of request 0 is NaN (and so are
     # the EAGLE features its drafter gets): sanitize keeps ids valid, not the text meaningful.
