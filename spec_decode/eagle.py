@@ -77,6 +77,7 @@ from spec_decode.model import (
     check_block_args,
     prepare_block,
     rope_inv_freq,
+    set_exact_nan,
 )
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -189,6 +190,7 @@ class _DraftHead(nn.Module):
             head = cls(config, target, **cls._init_kwargs_from_keys(set(state)))
         device = device if device is not None else target.device
         assign_state(head, state, dtype=dtype or target.dtype, device=device, source=os.fspath(path))
+        set_exact_nan(head, None, dtype or target.dtype)
         return head.eval()
 
     @classmethod

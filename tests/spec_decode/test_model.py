@@ -373,3 +373,68 @@ def test_bad_inputs_raise_value_error(model):
         cache.reset_slots(torch.ones(2, dtype=torch.long))
     with pytest.raises(ValueError, match="rel_idx"):
         cache.commit(torch.ones(2), torch.zeros(3, 1, dtype=torch.long))
+
+
+# ------------------------------------------------------------------ exact NaN propagation
+def _tree_logits_with_poisoned_node(model, poison: int):
+    """A 5-node tree after a 6-token prefix; node ``poison``'s K/V rows are NaN in every layer.
+
+    Tree: 0 -> 1 -> 3, 0 -> 2 -> 4. Returns logits [5, V] of the block.
+    """
+    from spec_decode.drafting import ancestor_mask
+
+    cache = model.new_cache(1, 16)
+    model(torch.arange(1, 7)[None], cache)
+    cache.commit(torch.tensor([6]))
+    parents = torch.tensor([[-1, 0, 0, 1, 2]])
+    mask = ancestor_mask(parents, 2)
+    depth = torch.tensor([[0, 1, 1, 2, 2]])
+    tokens = torch.tensor([[7, 8, 9, 10, 11]])
+    model(tokens, cache, tree_mask=mask, position_ids=6 + depth)   # writes rows 6..10
+    cache.k[:, 0, :, 6 + poison] = float("nan")
+    cache.v[:, 0, :, 6 + poison] = float("nan")
+    # Re-run the block without rewriting the poisoned row: attend to it as a cached row would be.
+    hook = cache.write
+    cache.write = lambda layer, pos, k, v: None
+    try:
+        return model(tokens, cache, tree_mask=mask, position_ids=6 + depth).logits[0]
+    finally:
+        cache.write = hook
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain_sdpa_mutant"])
+def test_exact_nan_reaches_only_the_poisoned_branch(tiny_target_dir, exact):
+    from spec_decode.model import set_exact_nan
+
+    model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    set_exact_nan(model, exact, torch.float32)
+    with torch.no_grad():
+        clean = _tree_logits_with_poisoned_node(model, poison=0).clone()   # root poisoned: all NaN
+        got = _tree_logits_with_poisoned_node(model, poison=1)
+    nan_rows = torch.isnan(got).any(-1).tolist()
+    assert torch.isnan(clean).any(-1).all()
+    if exact:
+        assert nan_rows == [False, True, False, True, False]   # node 1 and its child 3 only
+    else:
+        assert nan_rows == [True] * 5                           # SDPA leaks 0 * NaN everywhere
+
+
+def test_exact_nan_leaves_finite_results_bit_identical(tiny_target_dir):
+    from spec_decode.model import set_exact_nan
+
+    model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    ids = torch.arange(3, 20)[None]
+    outs = []
+    for flag in (False, True):
+        set_exact_nan(model, flag, torch.float32)
+        with torch.no_grad():
+            outs.append(model(ids, model.new_cache(1, 32)).logits)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_exact_nan_defaults_on_for_float16_only(tiny_target_dir):
+    from spec_decode.model import Attention
+
+    for dtype, want in [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)]:
+        model = Transformer.from_pretrained(tiny_target_dir, dtype=dtype)
+        assert {m.exact_nan for m in model.modules() if isinstance(m, Attention)} == {want}
