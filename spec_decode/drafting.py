@@ -59,26 +59,13 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     B, N = parents.shape
     eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
     mask = eye.clone()
-    # hop[b, i] = the ancestor reached after k hops; a node whose chain ended points at itself.
-    hop = torch.where(parents >= 0, parents, torch.arange(N, device=parents.device).expand(B, N))
+    # step[b, i] = parent of i, or i itself for a root; hop = the ancestor k steps up (stays at the root).
+    step = torch.where(parents >= 0, parents, torch.arange(N, device=parents.device).expand(B, N))
+    hop = step
     for _ in range(max_depth):
         mask |= torch.gather(eye, 1, hop.unsqueeze(-1).expand(B, N, N))
-        hop = torch.gather(hop, 1, hop)
+        hop = torch.gather(step, 1, hop)
     return mask
-
-
-def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
-    """A chain as a tree: root then k drafts, each the child of the previous.
-
-    Shape: root [B], drafts [B, k] -> DraftTree with N = k + 1.
-    """
-    B, k = drafts.shape
-    device = drafts.device
-    tokens = torch.cat([root[:, None], drafts], dim=1)
-    idx = torch.arange(k + 1, device=device).expand(B, k + 1)
-    parents = idx - 1
-    tree_mask = torch.tril(torch.ones(k + 1, k + 1, dtype=torch.bool, device=device)).expand(B, -1, -1)
-    return DraftTree(tokens, parents, idx.clone(), tree_mask, max_depth=k)
 
 
 @dataclass

@@ -61,7 +61,8 @@ def test_greedy_speculative_equals_autoregressive_batched(models, ar_greedy, met
     assert all(r.finish_reason == "length" for r in out)
 
 
-@pytest.mark.parametrize("shape", [TREE, CHAIN], ids=["tree", "chain"])
+@pytest.mark.parametrize("shape", [TREE, CHAIN, dict(num_steps=6, topk=1, num_draft_tokens=7)],
+                         ids=["tree", "chain", "deep_chain"])
 def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_greedy, shape):
     """The target drafting for itself: every greedy draft is right, so trees commit deep paths."""
     dec = _decoder(models, "draft_model", drafter=models["target"], nan_policy="raise", **shape)
