@@ -1,9 +1,6 @@
 """Package hygiene: the public API, lazy triton, no side effects at import, the demo."""
 
-import contextlib
-import io
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +35,12 @@ def test_import_is_lazy_and_side_effect_free():
 
 
 def test_demo_runs_and_shows_each_step():
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        runpy.run_module("numerics.demo", run_name="__main__")
-    text = out.getvalue()
+    # A subprocess, as `make demo` runs it (runpy inside pytest meets the assertion-rewriting
+    # import hook that the installed pytest plugin puts over the whole distribution).
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "numerics.demo"], capture_output=True, text=True,
+                          cwd=root, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
     for expected in ("sanitize", "temperature", "NaN counts per request", "NanLogitsError"):
         assert expected in text, expected
