@@ -1,0 +1,18 @@
+"""``spec-bench``: every decoding method side by side, the cost of NaN safety, and plots.
+
+Subcommands (``spec-bench [SUBCOMMAND] [OPTIONS]``, or ``python -m spec_decode.bench``):
+
+* *(none)*: the end-to-end benchmark (``spec_decode.bench.run``); writes ``DIR/results.json`` and
+  ``DIR/results.png``. With no options it runs on the shipped tiny fixtures and held-out prompts.
+* ``numerics``: the sanitize-and-count micro-benchmark (``spec_decode.bench.numerics_bench``);
+  writes ``DIR/numerics.json``.
+* ``gpu-check``: a few-minute CUDA smoke check (``spec_decode.bench.gpu_check``).
+* ``profile``: cProfile breakdown of one method's decoding step (``spec_decode.bench.profile_step``).
+
+The JSON layout is a contract for scripts; it is pinned in ``docs/bench.md`` and checked by
+``tests/spec_decode/test_bench.py``.
+"""
+
+from spec_decode.bench.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,145 @@
+"""Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile] [OPTIONS]``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_KEYS, BenchConfig,
+                                      default_fixtures_dir)
+
+SUBCOMMANDS = ("numerics", "gpu-check", "profile")
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        try:
+            return tuple(kind(s) for s in items)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}") from None
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fx = default_fixtures_dir()
+    p = argparse.ArgumentParser(
+        prog="spec-bench",
+        description="Compare autoregressive, HF generate/assisted and our speculative methods side by side; "
+                    "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
+                    "'spec-bench gpu-check -h', 'spec-bench profile -h'.")
+    p.add_argument("--target", type=Path, default=fx / "models/tiny-target", help="HF-layout target checkpoint")
+    p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft",
+                   help="plain draft LM (draft_chain, hf_assisted)")
+    p.add_argument("--eagle", type=Path, default=fx / "models/tiny-eagle", help="EAGLE-1/2 head")
+    p.add_argument("--eagle3", type=Path, default=fx / "models/tiny-eagle3", help="EAGLE-3 head (optional)")
+    p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl", help="JSONL with 'token_ids' per line")
+    p.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--methods", type=_csv(str), default=METHOD_KEYS, help=f"comma list of {','.join(METHOD_KEYS)}")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
+    p.add_argument("--dtype", type=_csv(str), default=None,
+                   help="comma list of fp32,bf16; the first is the headline (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0), help="comma list (default 0,1)")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts per generate call for our methods (default 1 = latency setting; HF is always 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's); use 1 on a busy machine")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--nan-rounds", type=int, default=3, help="rounds of the off/sanitize/abort comparison (0 = skip)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available")
+    return dev
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The BenchConfig of parsed arguments; ValueError naming the option on bad values."""
+    device = resolve_device(args.device)
+    dtypes = args.dtype or (("bf16",) if device.type == "cuda" else ("fp32",))
+    return BenchConfig(
+        target=args.target, draft_lm=args.draft_lm, eagle=args.eagle, eagle3=args.eagle3, prompts=args.prompts,
+        out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperatures=tuple(args.temperatures), dtypes=tuple(dtypes), batch_size=args.batch_size, seed=args.seed,
+        threads=args.threads, device=str(device), nan_rounds=args.nan_rounds, progress=not args.no_progress)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' per-call notices (loading bars, deprecations) for the run; restore after."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
+
+
+def _busy(threads: int) -> bool:
+    """True when other processes already keep the cores busy enough that ``threads`` would oversubscribe."""
+    if not hasattr(os, "getloadavg"):
+        return False
+    return os.getloadavg()[0] + threads > (os.cpu_count() or 1) + 0.5
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``spec-bench`` and ``python -m spec_decode.bench``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "numerics":
+        from spec_decode.bench.numerics_bench import main as numerics_main
+        return numerics_main(argv[1:])
+    if argv and argv[0] == "profile":
+        from spec_decode.bench.profile_step import main as profile_main
+        return profile_main(argv[1:])
+    if argv and argv[0] == "gpu-check":
+        from spec_decode.bench.gpu_check import main as gpu_main
+        return gpu_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    import torch
+
+    from spec_decode.bench.report import markdown_table
+    from spec_decode.bench.run import run_bench
+
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    elif cfg.device == "cpu" and threads > 1 and _busy(threads):
+        print(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {threads} torch threads "
+              "oversubscribe a busy CPU (tiny models can run 10-100x slower). Consider --threads 1.",
+              file=sys.stderr)
+    needs_hf = any(m.startswith("hf_") for m in cfg.methods)
+    try:
+        with _quiet_transformers() if needs_hf else contextlib.nullcontext():
+            results = run_bench(cfg)
+    finally:
+        torch.set_num_threads(threads)   # main() may run inside another program (tests)
+    print(markdown_table(results))
+    for key, why in cfg.skipped.items():
+        print(f"skipped {key}: {why}")
+    print(f"wrote {Path(cfg.out) / 'results.json'} and {Path(cfg.out) / 'results.png'}")
+    return 0

@@ -1,0 +1,139 @@
+"""Runners: one object per method key with the same ``generate`` call, ours and Hugging Face's.
+
+Every runner generates exactly ``max_new_tokens`` tokens per prompt: EOS stopping is disabled for
+all methods (no stop ids for ours; ``eos_token_id=None`` for HF), so tokens/s compares equal work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from spec_decode.bench.config import MethodSpec
+from spec_decode.bench.machine import Stopwatch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BENCH_NAN_POLICY = "sanitize"   # the library default, pinned so that $SAFESPEC_NAN_POLICY cannot move the numbers
+
+
+@dataclass
+class CallResult:
+    """What one runner call produced.
+
+    ``tokens[i]`` are prompt i's new tokens; ``accepted_lengths`` every verify step's emitted count,
+    over all prompts (empty for non-speculative methods); ``step_s`` per-step wall seconds (ours) or
+    per-token latency of each HF call; ``seconds`` wall time of the ``generate`` call(s).
+    """
+
+    tokens: list[list[int]] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class OursRunner:
+    """A ``SpecDecoder``; one ``generate`` call per batch of prompts."""
+
+    def __init__(self, spec: MethodSpec, decoder, modules: tuple):
+        self.spec, self.decoder, self.modules = spec, decoder, modules
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
+        with Stopwatch(self.decoder.target.device) as sw:
+            results = self.decoder.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                            seed=seed if temperature > 0 else None)
+        accepted = [n for r in results for n in r.accepted_lengths] if self.spec.speculative else []
+        return CallResult([r.token_ids for r in results], accepted, list(self.decoder.last_stats.step_s),
+                          sw.seconds)
+
+
+class HFRunner:
+    """``transformers`` ``generate`` (optionally assisted), one prompt per call.
+
+    Assisted generation supports batch size 1 only, so both HF methods run one prompt per call.
+    ``step_s`` holds each call's time per generated token (HF has no per-step hook).
+    """
+
+    def __init__(self, spec: MethodSpec, model, assistant=None):
+        self.spec, self.model, self.assistant = spec, model, assistant
+        self.modules = (model,) if assistant is None else (model, assistant)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
+        out = CallResult()
+        device = self.model.device
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
+            else dict(do_sample=False)
+        for i, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=device)
+            if temperature > 0:
+                torch.manual_seed(seed * 1009 + i)
+            extra = {} if self.assistant is None else {"assistant_model": self.assistant}
+            with torch.inference_mode(), Stopwatch(device) as sw:
+                seq = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                          eos_token_id=None, pad_token_id=0, **sampling, **extra)
+            new = seq[0, ids.shape[1]:].tolist()
+            if len(new) != max_new_tokens:
+                raise RuntimeError(f"{self.spec.key}: HF generated {len(new)} tokens, expected {max_new_tokens}")
+            out.tokens.append(new)
+            out.step_s.append(sw.seconds / len(new))
+            out.seconds += sw.seconds
+        return out
+
+
+class ModelCache:
+    """Loads each checkpoint once per dtype and shares it between runners (the target especially)."""
+
+    def __init__(self, cfg, dtype_name: str, device: torch.device):
+        self.cfg, self.dtype, self.device = cfg, DTYPES[dtype_name], device
+        self._models: dict[str, object] = {}
+
+    def get(self, name: str):
+        if name not in self._models:
+            self._models[name] = self._load(name)
+        return self._models[name]
+
+    def _load(self, name: str):
+        from spec_decode.model import Transformer
+
+        cfg, dtype, device = self.cfg, self.dtype, self.device
+        if name == "target":
+            return Transformer.from_pretrained(cfg.target, dtype=dtype, device=device)
+        if name == "draft_lm":
+            return Transformer.from_pretrained(cfg.draft_lm, dtype=dtype, device=device)
+        if name in ("eagle", "eagle3"):
+            from spec_decode.eagle import Eagle3Head, EagleHead
+
+            head_cls = EagleHead if name == "eagle" else Eagle3Head
+            return head_cls.from_pretrained(getattr(cfg, name), self.get("target"), dtype=dtype, device=device)
+        if name in ("hf_target", "hf_draft_lm"):
+            return _load_hf(cfg.target if name == "hf_target" else cfg.draft_lm, dtype, device)
+        raise KeyError(name)
+
+    def runner(self, spec: MethodSpec, nan_policy: str = BENCH_NAN_POLICY):
+        """The runner of ``spec`` (our decoders share the loaded target and drafter)."""
+        from spec_decode.pipeline import SpecDecoder
+
+        if spec.engine == "hf":
+            assistant = self.get("hf_draft_lm") if spec.drafter else None
+            return HFRunner(spec, self.get("hf_target"), assistant)
+        target = self.get("target")
+        drafter = self.get(spec.drafter) if spec.drafter else None
+        tree = {} if drafter is None else dict(num_steps=spec.num_steps, topk=spec.topk,
+                                               num_draft_tokens=spec.num_draft_tokens)
+        dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, **tree)
+        return OursRunner(spec, dec, (target, drafter))
+
+
+def _load_hf(path: Path, dtype: torch.dtype, device: torch.device):
+    """``AutoModelForCausalLM`` in ``dtype`` with EOS stopping disabled (exactly max_new_tokens tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except TypeError:   # transformers < 4.56 spells it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    # generate() falls back to the checkpoint's generation_config for unset fields: clear EOS there too.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.to(device).eval()

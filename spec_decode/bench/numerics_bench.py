@@ -1,0 +1,215 @@
+"""``spec-bench numerics``: our sanitize-and-count pass against the engines' inline approaches.
+
+Inputs are verify-shaped logits ``[B * (k + 1), V]`` (``k + 1 = 8`` rows per request: the
+EAGLE-2 default of 8 tree nodes), NaN-free, the common case whose cost safety must keep low.
+Implementations, each timed on the same tensor:
+
+* ``ours_torch`` / ``ours_triton``: ``numerics.nan_counts_per_request(..., sanitize=True)``
+  (per-request NaN counts and the in-place sanitize; Triton only on CUDA);
+* ``sglang_style``: an ``isnan().any()`` flag plus ``nan_to_num_``. SGLang's sampler branches on
+  that flag in Python (``if torch.any(torch.isnan(logits))``), a host sync per step; here the flag
+  stays on device so that the comparison measures memory traffic alone;
+* ``vllm_style``: ``isnan().sum(-1)`` per row plus a per-request segment sum. vLLM then copies the
+  counts to the host (``.cpu()``); that copy is left out here for the same reason;
+* ``copy``: ``dst.copy_(x)`` into a preallocated tensor, the bandwidth yardstick.
+
+``gb_s`` counts the bytes read once (``numel * itemsize``) over the median time;
+``fraction_of_copy`` = copy time / implementation time (1.0 = as fast as one copy).
+On CUDA, ``host_syncs`` counts synchronizing calls per invocation (``set_sync_debug_mode("warn")``),
+and our path is also run under ``set_sync_debug_mode("error")``: any sync fails the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+ROWS_PER_REQUEST = 8
+DEFAULT_VOCABS = (32000, 151936)
+FULL_VOCABS = (32000, 128256, 151936)
+DEFAULT_ROWS = (8, 64)          # B = 1, 8
+FULL_ROWS = (8, 64, 256)        # B = 1, 8, 32
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def sglang_style(x: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """Flag + in-place ``nan_to_num_`` (sync-free variant). Shape: x [R, V]; returns bool [] on device."""
+    flag = torch.isnan(x).any()
+    c = 1e30 if x.dtype != torch.float16 else 65504.0
+    torch.nan_to_num_(x, nan=-c, posinf=c, neginf=-c)
+    return flag
+
+
+def vllm_style(x: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """Per-row NaN count + per-request segment sum. Shape: x [R, V], owner [R]; returns int32 [num_reqs]."""
+    row = torch.isnan(x).sum(-1, dtype=torch.int32)
+    return torch.zeros(num_reqs, dtype=torch.int32, device=x.device).index_add_(0, owner, row)
+
+
+def _ours(backend: str):
+    from numerics import nan_counts_per_request
+
+    def run(x, cu):
+        return nan_counts_per_request(x, cu, sanitize=True, backend=backend)
+    return run
+
+
+def _median_s(fn, min_run_time: float) -> float:
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def count_host_syncs(fn) -> int:
+    """Synchronizing CUDA calls made by one ``fn()`` (``set_sync_debug_mode("warn")`` warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def assert_no_host_sync(fn) -> None:
+    """Run ``fn()`` under ``set_sync_debug_mode("error")``: any host sync raises RuntimeError."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+def bench_case(device: torch.device, dtype_name: str, rows: int, vocab: int, min_run_time: float) -> list[dict]:
+    """All implementations on one clean ``[rows, vocab]`` tensor. Returns one record per implementation."""
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator(device="cpu").manual_seed(rows * 7 + vocab)
+    x = torch.randn(rows, vocab, generator=g).to(device=device, dtype=dtype)
+    dst = torch.empty_like(x)
+    cu = torch.arange(0, rows + 1, ROWS_PER_REQUEST, device=device, dtype=torch.int32)
+    num_reqs = cu.numel() - 1
+    owner = torch.arange(rows, device=device) // ROWS_PER_REQUEST
+    impls = {"copy": lambda: dst.copy_(x), "ours_torch": lambda: _ours("torch")(x, cu)}
+    if device.type == "cuda":
+        impls["ours_triton"] = lambda: _ours("triton")(x, cu)
+    impls["sglang_style"] = lambda: sglang_style(x, owner, num_reqs)
+    impls["vllm_style"] = lambda: vllm_style(x, owner, num_reqs)
+
+    nbytes = x.numel() * x.element_size()
+    times = {name: _median_s(fn, min_run_time) for name, fn in impls.items()}
+    records = []
+    for name, fn in impls.items():
+        rec = {"device": device.type, "dtype": dtype_name, "rows": rows, "requests": num_reqs, "vocab": vocab,
+               "impl": name, "median_ms": times[name] * 1e3, "gb_s": nbytes / times[name] / 1e9,
+               "fraction_of_copy": times["copy"] / times[name]}
+        if device.type == "cuda":
+            if name.startswith("ours"):
+                assert_no_host_sync(fn)
+            rec["host_syncs"] = count_host_syncs(fn)
+            if name.startswith("ours") and rec["host_syncs"]:
+                raise AssertionError(f"{name} made {rec['host_syncs']} host syncs per call; expected 0")
+        records.append(rec)
+    return records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec-bench numerics",
+                                description="Sanitize-and-count micro-benchmark on verify-shaped logits.")
+    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
+    p.add_argument("--full", action="store_true",
+                   help=f"rows {FULL_ROWS} x vocab {FULL_VOCABS} (default rows {DEFAULT_ROWS} x vocab {DEFAULT_VOCABS})")
+    p.add_argument("--rows", default=None, help="comma list of row counts (multiples of 8), overrides --full")
+    p.add_argument("--vocabs", default=None, help="comma list of vocab sizes, overrides --full")
+    p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16,fp32")
+    p.add_argument("--device", default="all", help="all (CPU, plus CUDA when present), cpu or cuda")
+    p.add_argument("--min-run-time", type=float, default=0.2, help="seconds of timing per implementation")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    return p
+
+
+def _int_list(text: str, option: str, parser) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        parser.error(f"{option}: expected a comma list of integers, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        parser.error(f"{option}: expected positive integers, got {text!r}")
+    return vals
+
+
+def run_numerics(devices, dtypes, rows_list, vocabs, min_run_time: float, progress: bool = True) -> list[dict]:
+    """Every (device, dtype, rows, vocab) case; returns the flat list of records."""
+    from tqdm.auto import tqdm
+
+    cases = [(d, t, r, v) for d in devices for t in dtypes for r in rows_list for v in vocabs]
+    records = []
+    for d, t, r, v in tqdm(cases, desc="spec-bench numerics", disable=not progress):
+        records += bench_case(d, t, r, v, min_run_time)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``spec-bench numerics``: writes ``DIR/numerics.json`` and prints a table."""
+    from spec_decode.bench.machine import machine_info
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rows_list = _int_list(args.rows, "--rows", parser) if args.rows else (FULL_ROWS if args.full else DEFAULT_ROWS)
+    if any(r % ROWS_PER_REQUEST for r in rows_list):
+        parser.error(f"--rows: each value must be a multiple of {ROWS_PER_REQUEST} (rows per request)")
+    vocabs = _int_list(args.vocabs, "--vocabs", parser) if args.vocabs else (FULL_VOCABS if args.full else DEFAULT_VOCABS)
+    dtypes = tuple(s.strip() for s in args.dtypes.split(",") if s.strip())
+    if not dtypes or any(d not in DTYPES for d in dtypes):
+        parser.error(f"--dtypes: expected a comma list of {','.join(DTYPES)}, got {args.dtypes!r}")
+    if args.min_run_time <= 0:
+        parser.error(f"--min-run-time must be > 0, got {args.min_run_time}")
+    if args.device not in ("all", "cpu", "cuda"):
+        parser.error(f"--device: expected all, cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
+    if args.device in ("all", "cuda") and torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        records = run_numerics(devices, dtypes, rows_list, vocabs, args.min_run_time)
+        machine = machine_info(devices[-1])
+    finally:
+        torch.set_num_threads(threads)
+    out = {"machine": machine,
+           "config": {"rows": list(rows_list), "vocabs": list(vocabs), "dtypes": list(dtypes),
+                      "devices": [d.type for d in devices], "rows_per_request": ROWS_PER_REQUEST,
+                      "min_run_time_s": args.min_run_time, "threads": args.threads,
+                      "bytes": "numel * itemsize (one read)", "fraction_of_copy": "copy time / impl time"},
+           "results": records}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "numerics.json", "w") as f:
+        json.dump(out, f, indent=2)
+    print(markdown_table(records))
+    print(f"wrote {args.out / 'numerics.json'}")
+    return 0
+
+
+def markdown_table(records: list[dict]) -> str:
+    cuda = any(r["device"] == "cuda" for r in records)
+    cols = ["device", "dtype", "rows x V", "impl", "ms", "GB/s", "x copy BW"] + (["syncs"] if cuda else [])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        row = [r["device"], r["dtype"], f"{r['rows']} x {r['vocab']}", r["impl"], f"{r['median_ms']:.3f}",
+               f"{r['gb_s']:.1f}", f"{r['fraction_of_copy']:.2f}"]
+        if cuda:
+            row.append(str(r.get("host_syncs", "-")))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,320 @@
+"""The end-to-end benchmark: every method on the same prompts, interleaved, plus the NaN-policy cost.
+
+Measurement protocol (why each choice):
+
+* All models load first and stay loaded; then, for each temperature, every method gets one warm-up
+  call on a prompt outside the measured set (after the first round of warm-ups, one more such call
+  per method measures its peak memory), and the measured calls
+  run **interleaved**: batch b of every method, then batch b+1, with the method order rotated per
+  batch. On a shared machine absolute speed drifts; interleaving makes the drift hit every method
+  alike, so the ratios stay honest.
+* ``tokens_per_s`` = generated tokens / summed wall time of the measured ``generate`` calls
+  (prefill included). Every method generates exactly ``max_new_tokens`` tokens per prompt.
+* NaN-policy cost: EAGLE-tree decoders with policy off / sanitize / abort share one target and
+  head and run each prompt batch back to back, in rotated order; the overhead is the median paired
+  step-time difference over the median ``off`` step (``nan_policy_stage``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from spec_decode.bench.config import METHOD_SPECS, NAN_MODES, BenchConfig, load_prompts
+from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync, weight_bytes
+from spec_decode.bench.methods import ModelCache
+
+CONTRACT_KEYS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf_generate", "mean_accepted_length",
+                 "p50_step_ms", "p90_step_ms", "peak_mem_mb", "greedy_equals_ar")
+
+
+def temp_key(t: float) -> str:
+    """JSON key of a temperature: ``0.0 -> "0"``, ``1.0 -> "1"``, ``0.7 -> "0.7"``."""
+    return format(t, "g")
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark described by ``cfg``; write ``results.json`` and ``results.png``; return the results."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(cfg.device)
+    keys = cfg.resolve_methods()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": machine_info(device), "config": _config_json(cfg, keys)}
+    total = len(cfg.dtypes) * _work_units(cfg, keys)
+    with tqdm(total=total, desc="spec-bench", unit="call", disable=not cfg.progress) as bar:
+        for i, dname in enumerate(cfg.dtypes):
+            part = run_one_dtype(cfg, keys, dname, device, bar)
+            if i == 0:
+                results.update(part)
+            else:
+                results.setdefault("by_dtype", {})[dname] = part
+    with open(out / "results.json", "w") as f:
+        json.dump(_finite(results), f, indent=2)
+    from spec_decode.bench.report import plot_results
+
+    plot_results(results, out / "results.png")
+    return results
+
+
+def _work_units(cfg: BenchConfig, keys) -> int:
+    num_batches = math.ceil(cfg.num_prompts / cfg.batch_size)
+    main = len(cfg.temperatures) * len(keys) * (1 + num_batches) + len(keys)   # + the memory pass
+    nan = (len(NAN_MODES) * (1 + cfg.nan_rounds * num_batches)) if _nan_stage_runs(cfg) else 0
+    return main + nan
+
+
+def _nan_stage_runs(cfg: BenchConfig) -> bool:
+    return cfg.nan_rounds > 0 and cfg.eagle is not None and Path(cfg.eagle).is_dir()
+
+
+def _config_json(cfg: BenchConfig, keys) -> dict:
+    d = cfg.to_json()
+    d["methods_run"] = list(keys)
+    d["skipped"] = dict(cfg.skipped)
+    d["method_configs"] = {k: METHOD_SPECS[k].describe() for k in cfg.methods}
+    d["headline_dtype"] = cfg.dtypes[0]
+    d["hf_batch_size"] = 1
+    d["notes"] = [
+        f"batch_size={cfg.batch_size} prompts per generate call for our methods (1 = latency setting); "
+        "HF methods always run one prompt per call (assisted generation supports batch 1 only).",
+        "EOS stopping is disabled for every method: each prompt gets exactly max_new_tokens tokens.",
+        "tokens_per_s = generated tokens / summed wall time of generate calls (prefill included), "
+        "after one warm-up call per method and temperature on a prompt outside the measured set.",
+        "p50/p90_step_ms: per verify step for our methods; for HF methods, each call's time per "
+        "generated token (HF exposes no per-step timing).",
+        "peak_mem_mb = weights of the models the method uses + the peak memory increase during one "
+        "extra call after all warm-ups (CPU: sampled RSS, approximate; CUDA: max_memory_allocated).",
+        "nan_policy_overhead_pct: EAGLE tree (5/4/8), greedy; median of paired step-time differences "
+        "(mode minus off, same prompt, same step) over the median off step, in percent.",
+    ]
+    return d
+
+
+def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device, bar) -> dict:
+    """All methods at every temperature in one dtype, then the NaN-policy stage. Returns the dtype's results."""
+    models = ModelCache(cfg, dtype_name, device)
+    vocab = models.get("target").config.vocab_size
+    prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, vocab)
+    measured = prompts[:cfg.num_prompts]
+    warm = prompts[cfg.num_prompts] if len(prompts) > cfg.num_prompts else prompts[0]
+    batches = [measured[i:i + cfg.batch_size] for i in range(0, len(measured), cfg.batch_size)]
+    runners = {k: models.runner(METHOD_SPECS[k]) for k in keys}
+    weights = {k: weight_bytes(*runners[k].modules) for k in keys}
+
+    warm_batch = {k: [warm] if METHOD_SPECS[k].engine == "hf" else [warm] * cfg.batch_size for k in keys}
+    by_temp: dict[str, dict] = {}
+    runtime_mem: dict[str, int] = {}
+    for temp in cfg.temperatures:
+        calls = {k: [] for k in keys}
+        for k in keys:   # warm-up
+            runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
+            bar.update(1)
+        if not runtime_mem:
+            # Measured after every method's warm-up, so that one-time process costs (thread pools,
+            # first allocations) do not land on whichever method runs first.
+            for k in keys:
+                with PeakMemory(device) as mem:
+                    runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
+                runtime_mem[k] = mem.peak_increase
+                bar.update(1)
+        for b, batch in enumerate(batches):
+            for k in _rotate(keys, b):
+                calls[k].append(runners[k].generate(batch, cfg.max_new_tokens, temp, cfg.seed * 100003 + b))
+                bar.update(1)
+        by_temp[temp_key(temp)] = _summarize(keys, calls, temp, weights, runtime_mem)
+
+    methods = _assemble(cfg, keys, by_temp)
+    part = {"dtype": dtype_name, "methods": methods}
+    part.update(nan_policy_stage(cfg, models, batches, device, bar) if _nan_stage_runs(cfg)
+                else {"nan_policy_overhead_pct": {"sanitize": None, "abort": None},
+                      "nan_policy": {"skipped": "no EAGLE head or --nan-rounds 0"}})
+    return part
+
+
+def _rotate(seq, n: int):
+    n %= len(seq)
+    return tuple(seq[n:]) + tuple(seq[:n])
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated ``q``-quantile (0..1) of ``values``; None when empty."""
+    if not values:
+        return None
+    return torch.tensor(values, dtype=torch.float64).quantile(q).item()
+
+
+def _summarize(keys, calls, temp: float, weights, runtime_mem) -> dict:
+    """Per-method numbers at one temperature (speedups filled in by ``_add_speedups``)."""
+    stats = {}
+    ar_tokens = [t for c in calls["ar"] for t in c.tokens] if "ar" in calls else None
+    for k in keys:
+        cs = calls[k]
+        tokens = [t for c in cs for t in c.tokens]
+        n_tok = sum(len(t) for t in tokens)
+        secs = sum(c.seconds for c in cs)
+        accepted = [a for c in cs for a in c.accepted_lengths]
+        steps = [s for c in cs for s in c.step_s]
+        equal = None
+        mismatched = None
+        if temp == 0 and ar_tokens is not None:
+            mismatched = sum(a != b for a, b in zip(tokens, ar_tokens))
+            equal = mismatched == 0
+        p50, p90 = percentile(steps, 0.5), percentile(steps, 0.9)
+        stats[k] = {
+            "tokens_per_s": n_tok / secs if secs > 0 else None,
+            "speedup_vs_ar": None,
+            "speedup_vs_hf_generate": None,
+            "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None,
+            "p50_step_ms": None if p50 is None else p50 * 1e3,
+            "p90_step_ms": None if p90 is None else p90 * 1e3,
+            "peak_mem_mb": (weights[k] + runtime_mem.get(k, 0)) / MB,
+            "greedy_equals_ar": equal,
+            "greedy_mismatched_prompts": mismatched,
+            "generated_tokens": n_tok,
+            "wall_s": secs,
+            "num_verify_steps": len(accepted) if accepted else None,
+            "accepted_length_hist": _hist(accepted),
+            "weights_mb": weights[k] / MB,
+            "runtime_mem_mb": runtime_mem.get(k, 0) / MB,
+        }
+    _add_speedups(stats)
+    return stats
+
+
+def _hist(values) -> dict[str, int] | None:
+    """``{"1": count, "2": count, ...}`` up to the largest value; None when empty."""
+    if not values:
+        return None
+    return {str(n): values.count(n) for n in range(1, max(values) + 1)}
+
+
+def _add_speedups(stats: dict) -> None:
+    for ref, name in (("ar", "speedup_vs_ar"), ("hf_generate", "speedup_vs_hf_generate")):
+        base = stats.get(ref, {}).get("tokens_per_s")
+        for s in stats.values():
+            if base and s["tokens_per_s"] is not None:
+                s[name] = s["tokens_per_s"] / base
+
+
+def _assemble(cfg: BenchConfig, keys, by_temp: dict) -> dict:
+    """One entry per requested method: the greedy (or first) temperature's numbers on top, all under
+    ``by_temperature``; a skipped method gets null numbers and ``skipped``."""
+    head = temp_key(0.0) if 0.0 in cfg.temperatures else temp_key(cfg.temperatures[0])
+    methods = {}
+    for k in cfg.methods:
+        if k not in keys:
+            methods[k] = {**{c: None for c in CONTRACT_KEYS}, "skipped": cfg.skipped.get(k, "not run")}
+            continue
+        entry = dict(by_temp[head][k])
+        entry["headline_temperature"] = float(head)
+        entry["by_temperature"] = {t: by_temp[t][k] for t in by_temp}
+        methods[k] = entry
+    return methods
+
+
+# ---------------------------------------------------------------------- NaN policy cost
+def nan_policy_stage(cfg: BenchConfig, models: ModelCache, batches, device: torch.device, bar) -> dict:
+    """EAGLE tree step time with nan_policy off / sanitize / abort: the cost of NaN safety.
+
+    Every (round, batch) runs the three modes back to back in rotated order. Greedy decoding of
+    NaN-free logits takes the same path in every mode, so step ``i`` of a mode and step ``i`` of
+    ``off`` do the same work but for the NaN pass: the headline overhead is the median of these
+    paired step differences over the median ``off`` step, in percent, which a burst of load from
+    another process moves far less than a ratio of total times (also reported).
+    Also times the numerics pass alone at the verify shape ``[batch_size * 8, V]``. On CUDA the
+    pipeline's pass is checked for host syncs.
+    """
+    spec = METHOD_SPECS["eagle_tree"]
+    runners = {m: models.runner(spec, nan_policy=m) for m in NAN_MODES}
+    for m in NAN_MODES:   # warm-up
+        runners[m].generate(batches[0], cfg.max_new_tokens, 0.0, cfg.seed)
+        bar.update(1)
+    steps = {m: [] for m in NAN_MODES}
+    diffs = {m: [] for m in NAN_MODES if m != "off"}
+    wall = {m: 0.0 for m in NAN_MODES}
+    tokens = {m: 0 for m in NAN_MODES}
+    for r in range(cfg.nan_rounds):
+        for b, batch in enumerate(batches):
+            calls = {}
+            for m in _rotate(NAN_MODES, r + b):
+                calls[m] = c = runners[m].generate(batch, cfg.max_new_tokens, 0.0, cfg.seed)
+                steps[m].extend(c.step_s)
+                wall[m] += c.seconds
+                tokens[m] += sum(len(t) for t in c.tokens)
+                bar.update(1)
+            for m in diffs:
+                diffs[m].extend(a - o for a, o in zip(calls[m].step_s, calls["off"].step_s))
+    off_median = percentile(steps["off"], 0.5)
+    overhead = {m: percentile(diffs[m], 0.5) / off_median * 100 for m in diffs}
+    total = {m: sum(steps[m]) for m in NAN_MODES}
+    detail = {
+        "method": "eagle_tree", "config": spec.describe(), "rounds": cfg.nan_rounds,
+        "estimator": "median paired step-time difference / median off step * 100",
+        "tokens_per_s": {m: tokens[m] / wall[m] for m in NAN_MODES},
+        "p50_step_ms": {m: percentile(steps[m], 0.5) * 1e3 for m in NAN_MODES},
+        "step_time_total_s": total,
+        "total_time_overhead_pct": {m: (total[m] - total["off"]) / total["off"] * 100 for m in diffs},
+    }
+    target = models.get("target")
+    rows = cfg.batch_size * spec.num_draft_tokens
+    pass_ms = time_nan_pass(rows, spec.num_draft_tokens, target.config.vocab_size, target.dtype, device)
+    detail["nan_pass_ms"] = pass_ms
+    detail["nan_pass_pct_of_p50_step"] = pass_ms / detail["p50_step_ms"]["off"] * 100
+    if device.type == "cuda":
+        detail["nan_pass_host_syncs"] = assert_sync_free_nan_pass(runners["sanitize"].decoder, batches[0],
+                                                                  cfg.max_new_tokens)
+    return {"nan_policy_overhead_pct": overhead, "nan_policy": detail}
+
+
+def time_nan_pass(rows: int, rows_per_request: int, vocab: int, dtype: torch.dtype, device: torch.device,
+                  min_run_time: float = 0.1) -> float:
+    """Median ms of ``nan_counts_per_request(sanitize=True)`` on clean ``[rows, vocab]`` logits."""
+    from torch.utils import benchmark
+
+    from numerics import nan_counts_per_request
+
+    x = torch.randn(rows, vocab, device=device).to(dtype)
+    cu = torch.arange(0, rows + 1, rows_per_request, device=device, dtype=torch.int32)
+    timer = benchmark.Timer(stmt="f(x, cu, sanitize=True)", globals={"f": nan_counts_per_request, "x": x, "cu": cu},
+                            num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
+
+
+def assert_sync_free_nan_pass(decoder, prompts, max_new_tokens: int) -> int:
+    """Run one ``generate`` with the decoder's NaN pass under ``set_sync_debug_mode("error")``.
+
+    The wrapper is an instance attribute, so only this decoder's numerics stage is checked; any host
+    sync inside it raises. Returns the number of checked passes' syncs (always 0 when it returns).
+    """
+    original = decoder._nan_pass
+
+    def checked(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    decoder._nan_pass = checked
+    try:
+        decoder.generate(prompts, max_new_tokens=max_new_tokens)
+    finally:
+        del decoder._nan_pass
+    sync(decoder.target.device)
+    return 0
+
+
+def _finite(obj):
+    """JSON has no NaN/Inf: map them to None (e.g. a speedup over a zero-time baseline)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj

@@ -1,0 +1,303 @@
+"""The committed trained fixtures (fixtures/models, fixtures/prompts.jsonl) and the pytest plugin.
+
+Integrity: manifest sha256/sizes, loaders (transformers and ours), tokenizer, held-out split.
+Quality floors: greedy float32 is deterministic, so each floor sits a little under the value that
+``fixtures/make_fixtures.py`` measured and recorded in MANIFEST.json; a regression in the model,
+the heads' loaders or the pipeline drops below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_decode.eagle import Eagle3Head, EagleHead, load_drafter
+from spec_decode.model import Transformer
+
+MAX_FIXTURE_BYTES = 40_000_000
+FLOOR_MARGIN = 0.02  # agreement / accepted length may drop this much below the recorded value
+NLL_MARGIN = 0.02
+
+
+@pytest.fixture(scope="module")
+def fixtures_dir(tiny_target_path) -> Path:
+    return tiny_target_path.parent.parent
+
+
+@pytest.fixture(scope="module")
+def manifest(fixtures_dir) -> dict:
+    return json.loads((fixtures_dir / "models" / "MANIFEST.json").read_text())
+
+
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_fixtures.py"
+
+
+@pytest.fixture(scope="module")
+def make_fixtures():
+    """The build script of this checkout as a module (it has no import-time side effects)."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", BUILD_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def target32(tiny_target_path) -> Transformer:
+    return Transformer.from_pretrained(tiny_target_path, dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def test_manifest_hashes_match_every_file(fixtures_dir, manifest):
+    listed = manifest["files"]
+    on_disk = {p.relative_to(fixtures_dir).as_posix() for p in (fixtures_dir / "models").rglob("*")
+               if p.is_file() and p.name != "MANIFEST.json"} | {"prompts.jsonl"}
+    assert set(listed) == on_disk
+    for rel, meta in listed.items():
+        data = (fixtures_dir / rel).read_bytes()
+        assert len(data) == meta["bytes"], rel
+        assert hashlib.sha256(data).hexdigest() == meta["sha256"], rel
+    assert sum(m["bytes"] for m in listed.values()) < MAX_FIXTURE_BYTES
+
+
+def test_weights_are_stored_in_bfloat16(tiny_target_path, tiny_draft_path, tiny_eagle_path, tiny_eagle3_path):
+    from safetensors import safe_open
+
+    for path in (tiny_target_path, tiny_draft_path, tiny_eagle_path, tiny_eagle3_path):
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        assert dtypes <= {"BF16", "I64", "BOOL"}, (path, dtypes)
+        assert "BF16" in dtypes
+
+
+def test_tokenizer_loads_with_autotokenizer(tiny_target_path, tiny_draft_path, tiny_prompts):
+    from transformers import AutoTokenizer
+
+    for path in (tiny_target_path, tiny_draft_path):
+        tok = AutoTokenizer.from_pretrained(path)
+        assert len(tok) == 4096
+        assert tok.eos_token == "<|endoftext|>"
+        text = tiny_prompts[0]["text"]
+        assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE round-trips exactly
+
+
+def test_target_loads_in_transformers_and_ours_with_equal_logits(tiny_target_path, target32, tiny_prompts):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32).eval()
+    ids = torch.tensor([tiny_prompts[0]["token_ids"]])
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = target32(ids, target32.new_cache(1, ids.shape[1])).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    cfg = target32.config
+    assert (cfg.num_hidden_layers, cfg.vocab_size, cfg.tie_word_embeddings) == (12, 4096, False)
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
+
+
+def test_draft_lm_loads_in_transformers_and_ours(tiny_draft_path, target32):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_draft_path, dtype=torch.float32)
+    assert hf.config.num_hidden_layers <= 2
+    draft = load_drafter(tiny_draft_path, target32)
+    assert isinstance(draft, Transformer) and draft.config.vocab_size == target32.config.vocab_size
+
+
+def test_heads_load_in_their_layouts(tiny_eagle_path, tiny_eagle3_path, target32, manifest):
+    eagle = load_drafter(tiny_eagle_path, target32)
+    eagle3 = load_drafter(tiny_eagle3_path, target32)
+    assert isinstance(eagle, EagleHead) and isinstance(eagle3, Eagle3Head)
+    Vd = eagle3.draft_vocab_size
+    assert Vd < target32.config.vocab_size  # a reduced draft vocabulary
+    target_ids = eagle3.to_target_ids(torch.arange(Vd))
+    assert torch.equal(target_ids, target_ids.sort().values) and target_ids.unique().numel() == Vd
+    assert int(eagle3.t2d.sum()) == Vd and eagle3.t2d[target_ids].all()
+    assert list(eagle3.aux_layers) == manifest["stages"]["eagle3"]["aux_layers"]
+
+
+def test_prompts_are_held_out_and_tokenized(tiny_prompts, tiny_target_path, manifest, make_fixtures):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_path)
+    assert len(tiny_prompts) >= 64
+    assert len({p["id"] for p in tiny_prompts}) == len(tiny_prompts)
+    held_out = set(manifest["corpus"]["held_out_files"])
+    for p in tiny_prompts:
+        assert tok(p["text"])["input_ids"] == p["token_ids"], p["id"]
+        assert 32 <= len(p["token_ids"]) <= 96, p["id"]
+        assert p["source_file"] in held_out, p["id"]
+        assert make_fixtures.is_held_out(p["source_file"]), p["id"]
+
+
+def test_holdout_rule_splits_whole_files(make_fixtures, manifest):
+    held = manifest["corpus"]["held_out_files"]
+    assert held and all(make_fixtures.is_held_out(f) for f in held)
+    # the rule is a hash of the path: deterministic, and about HOLDOUT_PERCENT of files
+    names = [f"pkg/mod{i}.py" for i in range(2000)]
+    frac = sum(map(make_fixtures.is_held_out, names)) / len(names)
+    assert 0.01 < frac < 0.06
+
+
+def test_eagle3_training_time_test_matches_sequential_drafting(make_fixtures, target32, tiny_eagle3_path):
+    """The build's unrolled EAGLE-3 training-time test equals drafting step by step through the KV cache.
+
+    Node (s, t) of the unroll must see exactly what draft step s from root t sees at inference: the
+    committed step-1 rows 0..t and its own earlier steps.
+    """
+    head = Eagle3Head.from_pretrained(tiny_eagle3_path, target32, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    T, K = 12, 3
+    ids = torch.randint(0, target32.config.vocab_size, (1, T), generator=gen)
+    fused = torch.randn(1, T, target32.config.hidden_size, generator=gen)
+    with torch.no_grad():
+        unrolled = make_fixtures.eagle3_unrolled(head, ids, fused, K)
+        for t in (0, 4, T - K - 1):
+            cache = head.new_cache(1, T + K)
+            out = head(ids[:, 1: t + 2], fused[:, : t + 1], cache)
+            cache.commit(torch.tensor([t + 1]))
+            steps = [out.logits[:, t]]
+            feat = out.hidden[:, t:t + 1]
+            for s in range(1, K):
+                out = head(ids[:, t + s + 1: t + s + 2], feat, cache, position_ids=torch.tensor([[t + s]]))
+                cache.commit(torch.tensor([1]))
+                steps.append(out.logits[:, 0])
+                feat = out.hidden
+            for s in range(K):
+                torch.testing.assert_close(unrolled[s][:, t], steps[s], atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ quality floors (float32, deterministic)
+
+
+def test_target_nll_and_head_agreement_floors(tiny_prompts, target32, tiny_eagle_path, tiny_eagle3_path,
+                                              manifest):
+    """Teacher-forced on the held-out prompts, each alone (the same computation as the build's metrics)."""
+    rec = manifest["metrics"]["prompts"]
+    eagle = EagleHead.from_pretrained(tiny_eagle_path, target32, dtype=torch.float32)
+    eagle3 = Eagle3Head.from_pretrained(tiny_eagle3_path, target32, dtype=torch.float32)
+    nll, n, agree, rows = 0.0, 0, {"eagle": 0, "eagle3": 0}, 0
+    with torch.no_grad():
+        for p in tiny_prompts:
+            ids = torch.tensor([p["token_ids"]])
+            T = ids.shape[1]
+            out = target32(ids, target32.new_cache(1, T), aux_layers=eagle3.aux_layers)
+            nll += torch.nn.functional.cross_entropy(out.logits[0, :-1], ids[0, 1:], reduction="sum").item()
+            n += T - 1
+            want = out.logits[:, 1:].argmax(-1)
+            for name, head, feat in (("eagle", eagle, out.hidden), ("eagle3", eagle3, eagle3.fuse(out.aux_hidden))):
+                d = head(ids[:, 1:], feat[:, :-1], head.new_cache(1, T - 1))
+                agree[name] += (head.to_target_ids(d.logits.argmax(-1)) == want).sum().item()
+            rows += want.numel()
+    assert nll / n <= rec["target_nll"] + NLL_MARGIN
+    assert agree["eagle"] / rows >= rec["eagle_top1_agreement"] - FLOOR_MARGIN
+    assert agree["eagle3"] / rows >= rec["eagle3_top1_agreement"] - FLOOR_MARGIN
+
+
+@pytest.mark.parametrize("name, method, head, num_steps, topk, num_draft_tokens", [
+    ("eagle_chain_k4", "eagle", "tiny_eagle_path", 4, 1, 5),
+    ("eagle2_tree_5_4_8", "eagle", "tiny_eagle_path", 5, 4, 8),
+    ("eagle3_tree_5_4_8", "eagle3", "tiny_eagle3_path", 5, 4, 8),
+])
+def test_greedy_acceptance_floor(request, tiny_target_path, tiny_prompts, manifest, name, method, head,
+                                 num_steps, topk, num_draft_tokens):
+    from spec_decode import SpecDecoder
+
+    sub = manifest["acceptance"]["test_subset"]
+    dec = SpecDecoder.from_pretrained(tiny_target_path, request.getfixturevalue(head), method=method,
+                                      dtype=torch.float32, num_steps=num_steps, topk=topk,
+                                      num_draft_tokens=num_draft_tokens, nan_policy="raise")
+    prompts = [p["token_ids"] for p in tiny_prompts[: sub["num_prompts"]]]
+    results = dec.generate(prompts, max_new_tokens=sub["max_new_tokens"])
+    mean = statistics.fmean(n for r in results for n in r.accepted_lengths)
+    assert mean >= sub[name] - FLOOR_MARGIN
+    assert mean > 1.0  # speculation accepts drafts at all
+
+
+# ------------------------------------------------------------------ the pytest plugin
+
+
+PLUGIN_TEST = '''
+import torch
+
+def test_dtype(spec_dtype, spec_dtype_name):
+    assert spec_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec_dtype_name]
+    print("DTYPE=" + spec_dtype_name)
+
+def test_policy(nan_policy):
+    import os
+    assert os.environ["SAFESPEC_NAN_POLICY"] == nan_policy.value == "raise"
+
+import pytest
+
+@pytest.mark.nan_policy("abort")
+def test_policy_marker(nan_policy):
+    assert nan_policy.value == "abort"
+
+def test_paths(tiny_target_path, tiny_prompts):
+    print("TARGET=" + str(tiny_target_path))
+'''
+
+
+@pytest.fixture
+def plugin_run(pytester, monkeypatch):
+    pytester.makepyfile(PLUGIN_TEST)
+
+    def run(*args, env=None, fixtures_dir=None):
+        monkeypatch.delenv("SAFESPEC_TEST_DTYPE", raising=False)
+        monkeypatch.delenv("SAFESPEC_FIXTURES_DIR", raising=False)
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        if fixtures_dir is not None:
+            monkeypatch.setenv("SAFESPEC_FIXTURES_DIR", str(fixtures_dir))
+        plugin = [] if _plugin_registered(pytester) else ["-p", "spec_decode.pytest_plugin"]
+        return pytester.runpytest_inprocess(*plugin, "-s", "-p", "no:cacheprovider", *args)
+
+    return run
+
+
+def _plugin_registered(pytester) -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "spec_decode.pytest_plugin" for ep in entry_points(group="pytest11"))
+
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.mark.parametrize("args, env, want", [
+    ((), {}, "bf16"),
+    ((), {"SAFESPEC_TEST_DTYPE": "fp16"}, "fp16"),
+    (("--spec-dtype", "fp32"), {"SAFESPEC_TEST_DTYPE": "fp16"}, "fp32"),
+])
+def test_plugin_dtype_option(plugin_run, fixtures_dir, args, env, want):
+    result = plugin_run(*args, "-k", "test_dtype", env=env, fixtures_dir=fixtures_dir)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*DTYPE={want}*"])
+
+
+def test_plugin_bad_env_dtype_is_a_usage_error(plugin_run, fixtures_dir):
+    result = plugin_run(env={"SAFESPEC_TEST_DTYPE": "fp8"}, fixtures_dir=fixtures_dir)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*SAFESPEC_TEST_DTYPE='fp8'*"])
+
+
+def test_plugin_nan_policy_and_paths(plugin_run, fixtures_dir):
+    result = plugin_run(fixtures_dir=fixtures_dir)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines([f"*TARGET={fixtures_dir / 'models' / 'tiny-target'}*"])
+
+
+def test_plugin_missing_fixtures_skip_naming_the_path(plugin_run, tmp_path):
+    missing = tmp_path / "nowhere"
+    missing.mkdir()
+    result = plugin_run("-rs", "-k", "test_paths", fixtures_dir=missing)
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([f"*tiny target not found at {missing}*"])
