@@ -46,10 +46,10 @@ test-sglang: $(SGLANG_STAMP)
 
 # The main job: every method side by side on the shipped tiny models (results in bench_out/).
 bench: $(STAMP)
-	$(PY) -m spec_decode.bench
+	$(PY) -m spec_decode.bench --threads 1
 
 bench-numerics: $(STAMP)
-	$(PY) -m spec_decode.bench numerics
+	$(PY) -m spec_decode.bench numerics --threads 1
 
 demo: $(STAMP)
 	$(PY) -m numerics.demo
