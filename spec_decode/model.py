@@ -274,6 +274,14 @@ class KVCache:
                 buf.scatter_(3, dst_idx, rows)
         self.lengths += num
 
+    def select(self, slots: Tensor) -> "KVCache":
+        """A new cache holding only ``slots`` (in that order), e.g. the requests still running.
+
+        Shape: slots [B'] int64 -> KVCache with batch size B'.
+        """
+        return KVCache(self.k.index_select(1, slots), self.v.index_select(1, slots),
+                       self.lengths.index_select(0, slots))
+
     def reset_slots(self, slot_mask: Tensor) -> None:
         """Zero the K/V rows and the length of every slot where ``slot_mask`` is True. No host sync.
 

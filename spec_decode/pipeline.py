@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 
 from numerics import NanPolicy, nan_counts_per_request, nonfinite_row_mask, raise_if_nan_logits, NanLogitsError
-from samplers import PLACEHOLDER_TOKEN_ID, sample, tree_verify
-from spec_decode.drafting import DraftTree, draft_tree
+from samplers import sample, tree_verify
+from spec_decode.drafting import draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
 
@@ -125,15 +125,11 @@ class _Batch:
         pick = lambda t: None if t is None else t.index_select(0, idx)
         return _Batch(
             active=[self.active[r] for r in rows],
-            target_cache=_keep_cache(self.target_cache, idx),
-            draft_cache=None if self.draft_cache is None else _keep_cache(self.draft_cache, idx),
+            target_cache=self.target_cache.select(idx),
+            draft_cache=None if self.draft_cache is None else self.draft_cache.select(idx),
             root=pick(self.root), catch_tokens=pick(self.catch_tokens), catch_hidden=pick(self.catch_hidden),
             catch_lens=pick(self.catch_lens), sampling=self.sampling.keep(idx),
             target_len=[self.target_len[r] for r in rows])
-
-
-def _keep_cache(cache: KVCache, idx: torch.Tensor) -> KVCache:
-    return KVCache(cache.k.index_select(1, idx), cache.v.index_select(1, idx), cache.lengths.index_select(0, idx))
 
 
 class _Drafter:
