@@ -30,7 +30,10 @@ test: $(STAMP)
 test-fp16: $(STAMP)
 	$(PY) -m pytest -q -m dtype_sensitive --spec-dtype fp16
 
-# SGLang plugin tests in their own venv (sglang --no-deps plus the pure-Python packages it imports).
+# SGLang plugin tests in their own venv (sglang --no-deps plus the packages it imports), with
+# the test stand-ins for torchvision and sgl_kernel on every process's path (a .pth file, so the
+# scheduler processes that sglang.Engine spawns see them too). test-sglang runs the real CPU
+# engine; TRITON_INTERPRET=1 lets SGLang's Triton rejection-sampling kernel run on CPU tensors.
 $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt Makefile
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
@@ -39,10 +42,11 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt Makefile
 	$(SGLANG_PY) -m pip install -q --no-deps -r requirements/sglang-cpu.txt
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	$(SGLANG_PY) -m pip install -q pytest hypothesis numpy
+	echo "$(CURDIR)/tests/spec_decode/sglang_stand_ins" > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/safespec-sglang-stand-ins.pth"
 	touch $(SGLANG_STAMP)
 
 test-sglang: $(SGLANG_STAMP)
-	$(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/test_sglang_plugin.py
+	TRITON_INTERPRET=1 $(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/test_sglang_plugin.py tests/spec_decode/test_sglang_engine.py
 
 # The main job: every method side by side on the shipped tiny models (results in bench_out/).
 bench: $(STAMP)

@@ -7,6 +7,8 @@ position), possibly none. Rows outside every range (padding) are ignored.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .sanitize import _sanitize_reference, check_float_logits
@@ -14,27 +16,65 @@ from .sanitize import _sanitize_reference, check_float_logits
 BACKENDS = ("auto", "triton", "torch")
 
 
+class NonfiniteCounts(NamedTuple):
+    """Per-request counts of one verification batch: three int32 [num_reqs] device tensors.
+
+    nan: NaN entries per request. inf: +-Inf entries per request. dead_rows: rows with no
+    finite value per request (every entry NaN or +-Inf; see the glossary in
+    ``numerics.policy``). The three are views of one int32 [3, num_reqs + 1] buffer, so a
+    caller can copy them to the host together.
+    """
+
+    nan: torch.Tensor
+    inf: torch.Tensor
+    dead_rows: torch.Tensor
+
+
+def _row_owner(cu_num_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Request index owning each row; ``num_reqs`` (a dump bin) for rows outside every request.
+
+    Shape: cu_num_rows [num_reqs + 1]; returns [num_rows], dtype of ``cu_num_rows``.
+    """
+    num_reqs = cu_num_rows.shape[0] - 1
+    rows = torch.arange(num_rows, device=cu_num_rows.device, dtype=cu_num_rows.dtype)
+    # Owner of row r: the last request i with cu[i] <= r (empty requests are skipped).
+    owner = torch.searchsorted(cu_num_rows, rows, right=True) - 1  # [num_rows]
+    # Rows before cu[0] (owner -1) or at/after cu[-1] (owner num_reqs) go to the dump bin.
+    return torch.where(owner < 0, num_reqs, owner)
+
+
+def _nonfinite_counts_reference(
+    logits: torch.Tensor, cu_num_rows: torch.Tensor, *, sanitize: bool = False
+) -> NonfiniteCounts:
+    """Pure-torch ``nonfinite_counts_per_request``: same signature, same bits. No host sync.
+
+    Shape:
+        logits: [num_rows, V]; cu_num_rows: [num_reqs + 1]; returns three int32 [num_reqs].
+    """
+    num_rows, vocab = logits.shape
+    num_reqs = cu_num_rows.shape[0] - 1
+    row_counts = torch.empty(3, num_rows, dtype=torch.int32, device=logits.device)  # nan, inf, dead
+    torch.sum(torch.isnan(logits), dim=-1, dtype=torch.int32, out=row_counts[0])
+    finite = torch.isfinite(logits).sum(dim=-1, dtype=torch.int32)  # [num_rows]
+    # Every entry is exactly one of NaN, Inf, finite.
+    torch.sub(vocab - finite, row_counts[0], out=row_counts[1])
+    torch.eq(finite, 0, out=row_counts[2]) if vocab else row_counts[2].zero_()
+    counts = torch.zeros(3, num_reqs + 1, dtype=torch.int32, device=logits.device)
+    counts.index_add_(1, _row_owner(cu_num_rows, num_rows), row_counts)
+    if sanitize:
+        _sanitize_reference(logits)
+    return NonfiniteCounts(counts[0, :num_reqs], counts[1, :num_reqs], counts[2, :num_reqs])
+
+
 def _nan_counts_reference(
     logits: torch.Tensor, cu_num_rows: torch.Tensor, *, sanitize: bool = False
 ) -> torch.Tensor:
-    """Pure-torch ``nan_counts_per_request``: same signature, same bits. No host sync.
+    """Pure-torch ``nan_counts_per_request``: the ``nan`` field of the three counts.
 
     Shape:
         logits: [num_rows, V]; cu_num_rows: [num_reqs + 1]; returns int32 [num_reqs].
     """
-    num_rows = logits.shape[0]
-    num_reqs = cu_num_rows.shape[0] - 1
-    row_nans = torch.isnan(logits).sum(dim=-1, dtype=torch.int32)  # [num_rows]
-    rows = torch.arange(num_rows, device=logits.device, dtype=cu_num_rows.dtype)
-    # Owner of row r: the last request i with cu[i] <= r (empty requests are skipped).
-    owner = torch.searchsorted(cu_num_rows, rows, right=True) - 1  # [num_rows]
-    # Rows before cu[0] (owner -1) or at/after cu[-1] (owner num_reqs) go to a dump bin.
-    owner = torch.where(owner < 0, num_reqs, owner)
-    counts = torch.zeros(num_reqs + 1, dtype=torch.int32, device=logits.device)
-    counts.index_add_(0, owner, row_nans)
-    if sanitize:
-        _sanitize_reference(logits)
-    return counts[:num_reqs]
+    return _nonfinite_counts_reference(logits, cu_num_rows, sanitize=sanitize).nan
 
 
 def _check_counts_inputs(logits: torch.Tensor, cu_num_rows: torch.Tensor, backend: str) -> None:
@@ -77,22 +117,23 @@ def _pick_backend(backend: str, device: torch.device) -> str:
     return "triton" if _triton_counts.triton_available() else "torch"
 
 
-def nan_counts_per_request(
+def nonfinite_counts_per_request(
     logits: torch.Tensor,
     cu_num_rows: torch.Tensor,
     *,
     sanitize: bool = False,
     backend: str = "auto",
     check_inputs: bool = False,
-) -> torch.Tensor:
-    """Count NaN logits per request, optionally sanitizing in the same pass. No host sync.
+) -> NonfiniteCounts:
+    """Count NaN entries, +-Inf entries and dead rows per request, in one pass. No host sync.
 
     Shape:
         logits: [num_rows, V], float16/bfloat16/float32/float64; may be a strided view
             (any row stride, any column stride).
         cu_num_rows: [num_reqs + 1], int32 or int64, same device, non-decreasing;
             request i owns rows ``cu_num_rows[i]:cu_num_rows[i+1]``.
-        returns: int32 [num_reqs] on ``logits.device``.
+        returns: ``NonfiniteCounts(nan, inf, dead_rows)``, each int32 [num_reqs] on
+            ``logits.device`` (views of one int32 [3, num_reqs + 1] buffer).
 
     Parameters
     ----------
@@ -109,6 +150,56 @@ def nan_counts_per_request(
         This reads ``cu_num_rows`` on the host: one sync, so it is off by default
         and results for invalid offsets are undefined.
 
+    On NaN: counted in ``nan``; +-Inf in ``inf``; a row with no finite entry (a dead
+    row, V >= 1) adds 1 to ``dead_rows``. Rows outside every request are ignored;
+    requests with no rows get 0 everywhere.
+
+    Examples
+    --------
+    >>> x = torch.tensor([[0.0, float("nan")], [float("inf"), 2.0], [float("nan"), -float("inf")]])
+    >>> nonfinite_counts_per_request(x, torch.tensor([0, 2, 2, 3]))
+    NonfiniteCounts(nan=tensor([1, 0, 1], dtype=torch.int32), inf=tensor([1, 0, 1], dtype=torch.int32), \
+dead_rows=tensor([0, 0, 1], dtype=torch.int32))
+    """
+    _check_counts_inputs(logits, cu_num_rows, backend)
+    if check_inputs:
+        _check_cu_values(cu_num_rows, logits.shape[0])
+    if _pick_backend(backend, logits.device) == "torch":
+        return _nonfinite_counts_reference(logits, cu_num_rows, sanitize=sanitize)
+    from . import _triton_counts
+
+    return _triton_counts.nonfinite_counts_triton(logits, cu_num_rows, sanitize=sanitize)
+
+
+def nan_counts_per_request(
+    logits: torch.Tensor,
+    cu_num_rows: torch.Tensor,
+    *,
+    sanitize: bool = False,
+    backend: str = "auto",
+    check_inputs: bool = False,
+    return_dead_rows: bool = False,
+) -> "torch.Tensor | tuple[torch.Tensor, torch.Tensor]":
+    """Count NaN logits per request, optionally sanitizing in the same pass. No host sync.
+
+    The ``nan`` (and, with ``return_dead_rows=True``, ``dead_rows``) field of
+    ``nonfinite_counts_per_request``, which does the work: same pass, same arguments.
+
+    Shape:
+        logits: [num_rows, V], float16/bfloat16/float32/float64; may be a strided view
+            (any row stride, any column stride).
+        cu_num_rows: [num_reqs + 1], int32 or int64, same device, non-decreasing;
+            request i owns rows ``cu_num_rows[i]:cu_num_rows[i+1]``.
+        returns: int32 [num_reqs] on ``logits.device``; with ``return_dead_rows=True``
+            the tuple ``(nan_counts, dead_rows)``, both int32 [num_reqs].
+
+    Parameters
+    ----------
+    sanitize, backend, check_inputs
+        As in ``nonfinite_counts_per_request``.
+    return_dead_rows : bool
+        Also return, per request, the number of rows with no finite value.
+
     On NaN: counted (+Inf/-Inf are not counted, but they are sanitized).
     Rows outside every request are ignored; requests with no rows get 0.
 
@@ -118,11 +209,9 @@ def nan_counts_per_request(
     >>> nan_counts_per_request(x, torch.tensor([0, 2, 2, 3]))
     tensor([1, 0, 2], dtype=torch.int32)
     """
-    _check_counts_inputs(logits, cu_num_rows, backend)
-    if check_inputs:
-        _check_cu_values(cu_num_rows, logits.shape[0])
-    if _pick_backend(backend, logits.device) == "torch":
-        return _nan_counts_reference(logits, cu_num_rows, sanitize=sanitize)
-    from . import _triton_counts
-
-    return _triton_counts.nan_counts_triton(logits, cu_num_rows, sanitize=sanitize)
+    counts = nonfinite_counts_per_request(
+        logits, cu_num_rows, sanitize=sanitize, backend=backend, check_inputs=check_inputs
+    )
+    if return_dead_rows:
+        return counts.nan, counts.dead_rows
+    return counts.nan

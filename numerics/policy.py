@@ -1,4 +1,22 @@
-"""What to do when logits stop being finite: the NanPolicy switch and the fail-fast error."""
+"""What to do when logits stop being finite: the NanPolicy switch and the fail-fast error.
+
+Glossary (binding across safespec: numerics, samplers, spec_decode and the plugins)
+-----------------------------------------------------------------------------------
+NaN
+    An entry for which ``x != x``. Only NaN *triggers* a policy (``raise``, ``abort``,
+    ``guard``); NaN counts count NaN entries only.
+Inf
+    ``+inf`` or ``-inf``. Never an error: ``-inf`` is a legitimate mask value and ``+inf``
+    sanitizes to a valid peaked distribution. Inf is *sanitized* (to +-c, see
+    ``sanitize_nan_logits``) and counted separately from NaN.
+non-finite
+    NaN or Inf (``~torch.isfinite(x)``). A *non-finite row* holds at least one non-finite
+    entry (``nonfinite_row_mask``); sanitizing makes it finite.
+dead row
+    A row with *no finite entry*: every entry is NaN or +-Inf (``dead_row_mask``; a row
+    with V == 0 is not dead). Sanitizing cannot recover its information, so ``guard``
+    finishes the request that owns it.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +35,7 @@ class NanPolicy(str, enum.Enum):
     mode          what happens                                                host syncs
     ============  ==========================================================  =====================
     ``off``       nothing: no check, no sanitize. Garbage in, garbage out.    none
-    ``sanitize``  default. One in-place pass (NaN/-Inf -> -1e30, +Inf ->      none (CUDA); the
+    ``sanitize``  One in-place pass (NaN/-Inf -> -1e30, +Inf ->      none (CUDA); the
                   1e30, see ``sanitize_nan_logits``) plus the one-shot        warning is one or
                   ``AsyncNanWarner``: flag copied to pinned memory            more steps late
                   without a sync.
@@ -30,20 +48,27 @@ class NanPolicy(str, enum.Enum):
                   slots) and keeps serving the rest.                          host copy the caller
                                                                               already does (e.g.
                                                                               accepted tokens)
+    ``guard``     default. Partial-NaN rows are sanitized and the request     none extra, as
+                  continues (as ``sanitize``, one-shot warning included); a   ``abort``: the dead-row
+                  request owning a *dead row* (no finite value, see the       counts come from the
+                  glossary) is finished as ``abort`` finishes it. Counts:     same single pass
+                  ``nonfinite_counts_per_request``.
     ============  ==========================================================  =====================
 
-    ``raise`` and ``abort`` also sanitize in the same pass (``sanitize=True``) so that
-    the rest of the batch keeps computing on finite values.
+    ``raise``, ``abort`` and ``guard`` also sanitize in the same pass (``sanitize=True``) so
+    that the rest of the batch keeps computing on finite values. Functions that cannot
+    finish a request (the samplers) treat ``guard`` as ``sanitize`` and report dead rows.
     """
 
     OFF = "off"
     SANITIZE = "sanitize"
     RAISE = "raise"
     ABORT = "abort"
+    GUARD = "guard"
 
     @classmethod
     def resolve(cls, value: "NanPolicy | str | None" = None) -> "NanPolicy":
-        """Return the policy to use: ``value`` if given, else ``$SAFESPEC_NAN_POLICY``, else SANITIZE.
+        """Return the policy to use: ``value`` if given, else ``$SAFESPEC_NAN_POLICY``, else GUARD.
 
         Strings are matched case-insensitively, surrounding spaces ignored. An unknown
         value raises ``ValueError`` naming ``nan_policy`` (or the environment variable).
@@ -53,7 +78,7 @@ class NanPolicy(str, enum.Enum):
         env = os.environ.get(NAN_POLICY_ENV, "").strip()
         if env:
             return cls._parse(env, NAN_POLICY_ENV)
-        return cls.SANITIZE
+        return cls.GUARD
 
     @classmethod
     def _parse(cls, value: "NanPolicy | str", name: str) -> "NanPolicy":

@@ -114,6 +114,15 @@ def sanitize_nan_logits(logits: torch.Tensor, msg: str = "", *, warn: bool = Tru
     return _sanitize_reference(logits)
 
 
+def _check_rows(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating point tensor, got dtype {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dimension [..., V], got a 0-d tensor")
+
+
 def nonfinite_row_mask(x: torch.Tensor) -> torch.Tensor:
     """Return True for each row of ``x`` that holds any NaN or +-Inf. No host sync.
 
@@ -123,10 +132,20 @@ def nonfinite_row_mask(x: torch.Tensor) -> torch.Tensor:
 
     A row with V == 0 is finite (False).
     """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise ValueError(f"x: expected a floating point tensor, got dtype {x.dtype}")
-    if x.dim() < 1:
-        raise ValueError("x: expected at least 1 dimension [..., V], got a 0-d tensor")
+    _check_rows(x)
     return ~torch.isfinite(x).all(dim=-1)
+
+
+def dead_row_mask(x: torch.Tensor) -> torch.Tensor:
+    """Return True for each *dead row* of ``x``: no finite value (all NaN or +-Inf). No host sync.
+
+    Shape:
+        x: [..., V] floating point.
+        returns: bool [...] (``x.shape[:-1]``).
+
+    A row with V == 0 is not dead (False). Sanitizing turns a dead row into a uniform
+    (or Inf-peaked) distribution that carries no information; ``NanPolicy.GUARD``
+    finishes the request instead.
+    """
+    _check_rows(x)
+    return ~torch.isfinite(x).any(dim=-1) & (x.shape[-1] > 0)

@@ -1,5 +1,10 @@
 """NaN/Inf handling shared by the samplers: logits under a NanPolicy, and probabilities.
 
+Words as in the glossary of ``numerics.policy``: only NaN triggers a policy (``raise``
+raises on NaN, never on Inf: ``-inf`` is a legitimate mask); a non-finite row holds any
+NaN/Inf; a dead row holds no finite value. ``guard`` and ``abort`` behave as ``sanitize``
+here (a sampler cannot finish a request); the caller acts on the reported rows.
+
 Logits go through ``numerics`` under the active policy. Probabilities handed in directly
 (``draft_probs``, ``target_probs``) are cleaned here instead: a probability that is NaN,
 Inf or negative becomes 0, rows are renormalised, and the row is reported as bad.
@@ -7,58 +12,83 @@ Inf or negative becomes 0, rows are renormalised, and the row is reported as bad
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from numerics import NanPolicy, nonfinite_row_mask, raise_if_nan_logits, sanitize_nan_logits
+from numerics import NanPolicy, dead_row_mask, nonfinite_row_mask, raise_if_nan_logits, sanitize_nan_logits
 
 # Cap on a single cleaned probability, so that a row sum cannot overflow float32.
 _PROB_MAX = 1e30
 
 
+class Prepared(NamedTuple):
+    work: torch.Tensor  # [B, ..., V] sanitized working copy
+    nonfinite: torch.Tensor | None  # [B] bool: any NaN/Inf in the batch row (None under off)
+    dead: torch.Tensor | None  # [B] bool: a position of the row has no finite value (None under off)
+
+
+def _per_batch_row(mask: torch.Tensor) -> torch.Tensor:
+    """[B, ...] bool -> [B] bool: any position of the batch row."""
+    return mask.flatten(1).any(1) if mask.dim() > 1 else mask
+
+
+def row_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nonfinite [B], dead [B]) of ``x`` [B, ..., V], per batch row (any position)."""
+    return _per_batch_row(nonfinite_row_mask(x)), _per_batch_row(dead_row_mask(x))
+
+
 def prepare_logits(
     logits: torch.Tensor, nan_policy: NanPolicy | str | None, *, dtype: torch.dtype | None = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return a sanitized working copy of ``logits`` and its non-finite row mask.
+) -> Prepared:
+    """A sanitized working copy of ``logits``, with its non-finite and dead row masks.
 
     Shape:
-        logits: [B, ..., V] -> (work [B, ..., V] in ``dtype`` (or logits' own dtype if None),
-        nonfinite [B] bool: True where any position of row b held NaN/Inf).
+        logits: [B, ..., V] -> work [B, ..., V] in ``dtype`` (or logits' own dtype if
+        None), nonfinite [B] bool (any NaN/Inf in batch row b), dead [B] bool (some
+        position of batch row b has no finite value).
 
-    Never mutates ``logits``. Policies: ``off`` -> no sanitize (the caller did it; the copy
-    is skipped when no dtype change is needed); ``sanitize``/``abort`` -> sanitize the copy
-    (the caller aborts the reported rows under ``abort``); ``raise`` -> raise NanLogitsError
-    naming the non-finite batch rows (row index as id).
+    Never mutates ``logits``. Policies: ``off`` -> nothing is checked or sanitized (the
+    caller did it): no pass over the logits, both masks are None, and the copy is skipped
+    when no dtype change is needed; ``sanitize``/``abort``/``guard`` -> sanitize the copy
+    (the caller acts on the reported rows); ``raise`` -> raise NanLogitsError naming the
+    batch rows that hold NaN (row index as id; Inf does not raise), then sanitize.
     """
     policy = NanPolicy.resolve(nan_policy)
-    rows = nonfinite_row_mask(logits)  # [B, ...]
-    if rows.dim() > 1:
-        rows = rows.flatten(1).any(1)
-    if policy == NanPolicy.RAISE:
-        counts = (~torch.isfinite(logits)).flatten(1).sum(1)
-        # host sync: raise mode has to know on the host whether to raise.
-        per_row = {str(b): int(c) for b, c in enumerate(counts.tolist()) if c}
-        raise_if_nan_logits(per_row)
     target = logits.dtype if dtype is None else dtype
     if policy == NanPolicy.OFF:
-        return logits.to(target), rows
+        return Prepared(logits.to(target), None, None)
+    nonfinite, dead = row_masks(logits)
+    if policy == NanPolicy.RAISE:
+        raise_if_nan_rows(logits)
     work = logits.to(target, copy=True)
     sanitize_nan_logits(work, "samplers")
-    return work, rows
+    return Prepared(work, nonfinite, dead)
 
 
-def raise_if_nonfinite_probs(nan_policy: NanPolicy | str | None, *probs: torch.Tensor | None) -> None:
-    """Under policy ``raise``, raise NanLogitsError naming batch rows whose given
-    probabilities hold NaN/Inf. Other policies: nothing (probabilities are cleaned).
+def raise_if_nan_rows(*tensors: torch.Tensor | None) -> None:
+    """Raise NanLogitsError naming the batch rows whose given tensors hold NaN (Inf is fine).
 
-    Shape: each of probs [B, ..., V] or None.
+    Shape: each of tensors [B, ..., V] or None. One host sync (raise mode has to know on
+    the host whether to raise).
     """
-    given = [x for x in probs if x is not None]
-    if NanPolicy.resolve(nan_policy) != NanPolicy.RAISE or not given:
+    given = [x for x in tensors if x is not None]
+    if not given or given[0].shape[0] == 0:
         return
-    counts = sum((~torch.isfinite(x)).flatten(1).sum(1) for x in given)
+    counts = sum(torch.isnan(x).flatten(1).sum(1) for x in given)
     # host sync: raise mode has to know on the host whether to raise.
     per_row = {str(b): int(c) for b, c in enumerate(counts.tolist()) if c}
     raise_if_nan_logits(per_row)
+
+
+def raise_if_nan_probs(nan_policy: NanPolicy | str | None, *probs: torch.Tensor | None) -> None:
+    """Under policy ``raise``, raise NanLogitsError naming batch rows whose given
+    probabilities hold NaN. Other policies: nothing (probabilities are cleaned).
+
+    Shape: each of probs [B, ..., V] or None.
+    """
+    if NanPolicy.resolve(nan_policy) == NanPolicy.RAISE:
+        raise_if_nan_rows(*probs)
 
 
 def clean_probs(probs: torch.Tensor, *, zero_rows: str) -> tuple[torch.Tensor, torch.Tensor]:

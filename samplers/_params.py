@@ -1,6 +1,7 @@
-"""Argument checks shared by the samplers: tensors, per-row parameters, generators.
+"""Argument checks shared by the samplers, and ``SamplingParams``, the one parser of
+per-row sampling parameters (the samplers' own functions and ``spec_decode`` use it).
 
-Every check here looks only at shapes, dtypes, devices and Python scalars, so none of
+Every check here looks only at shapes, dtypes, devices and Python values, so none of
 them syncs with the device. Value checks on tensors (ids in range, per-row parameters in
 range) need a sync; they live in the ``check_*_values`` helpers and run only when a
 public function is called with ``check_inputs=True``.
@@ -9,7 +10,8 @@ public function is called with ``check_inputs=True``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
 import torch
@@ -55,14 +57,33 @@ def check_vocab(vocab: int, name: str) -> None:
         raise ValueError(f"{name} has an empty vocabulary dimension")
 
 
-def check_generator(generator: object, device: torch.device) -> None:
-    """A generator must be a ``torch.Generator`` on the same device type as the tensors."""
+def check_generator(generator: object, device: torch.device, rows: int | None = None) -> None:
+    """A generator is None, a ``torch.Generator``, or a sequence of them, one per batch row.
+
+    Each must be on the same device type as the tensors; a sequence must have ``rows``
+    entries (``rows=None``: any length).
+    """
     if generator is None:
         return
-    if not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    if generator.device.type != device.type:
-        raise ValueError(f"generator is on {generator.device} but the tensors are on {device}")
+    if isinstance(generator, torch.Generator):
+        gens, where = [generator], "generator"
+    elif isinstance(generator, Sequence) and not isinstance(generator, (str, bytes)):
+        if rows is not None and len(generator) != rows:
+            raise ValueError(f"generator has {len(generator)} entries for {rows} batch rows; give one per row")
+        gens, where = generator, "generator[{}]"
+    else:
+        raise ValueError(
+            f"generator must be a torch.Generator or a sequence of them (one per row), got {type(generator).__name__}"
+        )
+    for i, g in enumerate(gens):
+        name = where.format(i)
+        if not isinstance(g, torch.Generator):
+            raise ValueError(f"{name} must be a torch.Generator, got {type(g).__name__}")
+        if g.device.type != device.type:
+            raise ValueError(f"{name} is on {g.device} but the tensors are on {device}")
+
+
+# ----------------------------------------------------------------------------- per-row parameters
 
 
 @dataclass(frozen=True)
@@ -70,62 +91,76 @@ class _Spec:
     lo: float
     hi: float
     lo_open: bool
+    hi_open: bool
     integer: bool
+    off: float  # the value that None stands for
     text: str
 
 
 _SPECS = {
-    "temperature": _Spec(0.0, math.inf, False, False, ">= 0"),
-    "top_k": _Spec(0, math.inf, False, True, ">= 0 (0 disables top-k)"),
-    "top_p": _Spec(0.0, 1.0, True, False, "in (0, 1]"),
-    "min_p": _Spec(0.0, 1.0, False, False, "in [0, 1]"),
+    # temperature: None means no scaling (1.0); inf is rejected (it would revive masked tokens).
+    "temperature": _Spec(0.0, math.inf, False, True, False, 1.0, "a finite number >= 0"),
+    "top_k": _Spec(0, math.inf, False, True, True, 0, "an int >= 0 (0 or None disables top-k)"),
+    "top_p": _Spec(0.0, 1.0, True, False, False, 1.0, "in (0, 1] (1 or None disables top-p)"),
+    "min_p": _Spec(0.0, 1.0, False, False, False, 0.0, "in [0, 1] (0 or None disables min-p)"),
 }
 
 
-def _scalar_ok(value: float, spec: _Spec) -> bool:
-    if math.isnan(value):
-        return False
-    if spec.lo_open:
-        return spec.lo < value <= spec.hi
-    return spec.lo <= value <= spec.hi
-
-
-def row_param(
-    value: object, name: str, batch: int, device: torch.device
-) -> torch.Tensor | None:
-    """Turn a scalar-or-[B] parameter into a tensor [B] on ``device`` (None stays None).
-
-    Shape:
-        value: a Python number, a 0-d tensor, or a tensor [B].
-        returns: float32 [B] (int64 [B] for ``top_k``), or None when disabled.
-
-    Scalars (and 0-d tensors, which cost one host read, made only here at argument
-    parsing) are range-checked at once; tensors [B] only by ``check_row_param_values``.
-    """
+def _host_value(value: object, name: str) -> float | int:
+    """Validate one host value (a number or None) of parameter ``name``; None -> its off value."""
     spec = _SPECS[name]
     if value is None:
-        return None
-    dtype = torch.int64 if spec.integer else torch.float32
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and value.device.type == "cpu":
-            value = value.item()  # CPU scalar: no device sync
-        else:
-            if value.dim() != 1 or value.shape[0] != batch:
-                raise ValueError(f"{name} must be a scalar or a tensor of shape ({batch},), got {tuple(value.shape)}")
-            if value.device != device:
-                raise ValueError(f"{name} is on {value.device} but the logits are on {device}")
-            if spec.integer and value.dtype not in INT_DTYPES:
-                raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
-            if not spec.integer and value.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"{name} must be a floating tensor, got {value.dtype}")
-            return value.to(dtype)
+        return spec.off
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise ValueError(f"{name} must be a number or a tensor [B], got {type(value).__name__}")
-    if spec.integer and not isinstance(value, Integral) and not float(value).is_integer():
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if not _scalar_ok(float(value), spec):
-        raise ValueError(f"{name} must be {spec.text}, got {value!r}")
-    return torch.full((batch,), value, dtype=dtype, device=device)
+        raise ValueError(f"must be a number or None, got {type(value).__name__}")
+    x = float(value)
+    if spec.integer and not isinstance(value, Integral) and not x.is_integer():
+        raise ValueError(f"must be an integer, got {value!r}")
+    ok = not math.isnan(x) and (spec.lo < x if spec.lo_open else spec.lo <= x) and (x < spec.hi if spec.hi_open else x <= spec.hi)
+    if not ok:
+        raise ValueError(f"must be {spec.text}, got {value!r}")
+    return int(x) if spec.integer else x
+
+
+def _tensor_value(value: torch.Tensor, name: str, batch: int, device: torch.device) -> torch.Tensor:
+    """Shape/dtype/device checks of a per-row tensor [B]; values are checked by check_inputs only."""
+    spec = _SPECS[name]
+    if value.dim() != 1 or value.shape[0] != batch:
+        raise ValueError(f"{name} must be a scalar, a list or a tensor of shape ({batch},), got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the logits are on {device}")
+    if spec.integer and value.dtype not in INT_DTYPES:
+        raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
+    if not spec.integer and value.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a floating tensor, got {value.dtype}")
+    return value.to(torch.int64 if spec.integer else torch.float32)
+
+
+def _parse_param(value: object, name: str, batch: int, device: torch.device):
+    """-> (tensor [B] or None when disabled for every row, host values list or None if unknown)."""
+    spec = _SPECS[name]
+    dtype = torch.int64 if spec.integer else torch.float32
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu":
+        value = value.item()  # CPU scalar: no device sync
+    if isinstance(value, torch.Tensor):
+        return _tensor_value(value, name, batch, device), None
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch:
+            raise ValueError(f"{name} has {len(value)} entries for {batch} rows")
+        host = []
+        for row, v in enumerate(value):
+            try:
+                host.append(_host_value(v, name))
+            except ValueError as err:
+                raise ValueError(f"{name}[{row}] {err}") from None
+    else:
+        try:
+            host = [_host_value(value, name)] * batch
+        except ValueError as err:
+            raise ValueError(f"{name} {err}") from None
+    if name != "temperature" and all(v == spec.off for v in host):
+        return None, host  # disabled everywhere: the samplers skip that work
+    return torch.tensor(host, dtype=dtype, device=device), host
 
 
 def check_row_param_values(value: torch.Tensor | None, name: str) -> None:
@@ -134,10 +169,97 @@ def check_row_param_values(value: torch.Tensor | None, name: str) -> None:
         return
     spec = _SPECS[name]
     v = value.double()
-    ok = ~torch.isnan(v) & (v > spec.lo if spec.lo_open else v >= spec.lo) & (v <= spec.hi)
+    ok = ~torch.isnan(v) & (v > spec.lo if spec.lo_open else v >= spec.lo) & (v < spec.hi if spec.hi_open else v <= spec.hi)
     bad = (~ok).nonzero().flatten().tolist()  # host sync: check_inputs=True only
     if bad:
         raise ValueError(f"{name} must be {spec.text}; rows {bad[:8]} are not")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters as device tensors [B], plus host facts about the batch.
+
+    Build it with :meth:`SamplingParams.build`; every sampler parses its keyword
+    arguments through it, so the rules are the same everywhere:
+
+    * each parameter is a scalar (every row), a list/tuple with one entry per row, or a
+      tensor [B] on the logits' device; a ``None`` scalar or entry means "off":
+      temperature 1.0 (no scaling), top_k 0, top_p 1.0, min_p 0.0;
+    * temperature 0 is greedy (one-hot on the first argmax); temperatures must be finite
+      (``inf`` would make masked tokens samplable);
+    * host values are range-checked at once, naming the argument and the row; tensors [B]
+      only with ``check_inputs=True`` (one host sync).
+
+    Shape:
+        temperature: float32 [B]. top_k: int64 [B] or None. top_p, min_p: float32 [B] or
+        None (None: disabled in every row, so the samplers skip the sort).
+
+    ``all_greedy`` is True only when every row's temperature is known on the host to be 0
+    (then the samplers skip the [B, V] draw); it stays valid, conservatively, under
+    :meth:`select`.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    all_greedy: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        batch: int,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        *,
+        device: torch.device | str | None = None,
+        check_inputs: bool = False,
+    ) -> "SamplingParams":
+        """Validate scalars, per-row lists or tensors [B] into device tensors [B].
+
+        Raises ValueError naming the argument (and the row, for lists) on a bad value.
+        ``device`` defaults to the CPU.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, Integral) or batch < 0:
+            raise ValueError(f"batch must be an int >= 0, got {batch!r}")
+        device = torch.device("cpu" if device is None else device)
+        temp, temp_host = _parse_param(temperature, "temperature", batch, device)
+        params = cls(
+            temperature=temp,
+            top_k=_parse_param(top_k, "top_k", batch, device)[0],
+            top_p=_parse_param(top_p, "top_p", batch, device)[0],
+            min_p=_parse_param(min_p, "min_p", batch, device)[0],
+            all_greedy=temp_host is not None and all(t == 0 for t in temp_host),
+        )
+        if check_inputs:
+            for name in _SPECS:
+                check_row_param_values(getattr(params, name), name)
+        return params
+
+    @property
+    def batch(self) -> int:
+        return self.temperature.shape[0]
+
+    def select(self, idx) -> "SamplingParams":
+        """The rows ``idx`` (a LongTensor or a list of row indices), in that order."""
+        if not isinstance(idx, torch.Tensor):
+            idx = torch.tensor(list(idx), dtype=torch.long, device=self.temperature.device)
+        pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+        return replace(self, temperature=pick(self.temperature), top_k=pick(self.top_k),
+                       top_p=pick(self.top_p), min_p=pick(self.min_p))
+
+    def repeat(self, n: int) -> "SamplingParams":
+        """Each row's parameters repeated for ``n`` consecutive rows ([B] -> [B*n])."""
+        rep = lambda t: None if t is None else t.repeat_interleave(n)  # noqa: E731
+        return replace(self, temperature=rep(self.temperature), top_k=rep(self.top_k),
+                       top_p=rep(self.top_p), min_p=rep(self.min_p))
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for ``sample``, ``logits_to_probs`` and ``tree_verify``."""
+        return dict(temperature=0.0 if self.all_greedy else self.temperature,
+                    top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
 
 
 def check_ids_in_range(ids: torch.Tensor, name: str, vocab: int) -> None:

@@ -4,50 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from numerics import NanPolicy
+from numerics import SANITIZE_MAX, NanPolicy
 from samplers._nan import prepare_logits
-from samplers._params import (
-    check_float_tensor,
-    check_generator,
-    check_row_param_values,
-    check_vocab,
-    row_param,
-)
+from samplers._params import SamplingParams, check_float_tensor, check_generator, check_vocab
+from samplers.draws import Generators, race_sample
+from samplers.output import SamplerOutput
 
 PLACEHOLDER_TOKEN_ID = -1  # padding in every output id tensor
 
 
-class RowParams:
-    """Per-row sampling parameters as device tensors [R]; None means disabled."""
-
-    __slots__ = ("temperature", "top_k", "top_p", "min_p")
-
-    def __init__(self, temperature, top_k, top_p, min_p):
-        self.temperature = temperature  # float32 [R]
-        self.top_k = top_k  # int64 [R] or None; <= 0 means disabled
-        self.top_p = top_p  # float32 [R] or None
-        self.min_p = min_p  # float32 [R] or None
-
-    @classmethod
-    def parse(cls, batch, device, temperature, top_k, top_p, min_p, check_inputs=False):
-        params = cls(
-            row_param(temperature, "temperature", batch, device),
-            row_param(top_k, "top_k", batch, device),
-            row_param(top_p, "top_p", batch, device),
-            row_param(min_p, "min_p", batch, device),
-        )
-        if check_inputs:
-            for name in cls.__slots__:
-                check_row_param_values(getattr(params, name), name)
-        return params
-
-    def repeat(self, n: int) -> "RowParams":
-        """Each row's parameters repeated for ``n`` consecutive rows ([R] -> [R*n])."""
-        rep = lambda t: None if t is None else t.repeat_interleave(n)  # noqa: E731
-        return RowParams(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p))
-
-
-def process_logits(x: torch.Tensor, params: RowParams) -> torch.Tensor:
+def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Sanitized float32 logits -> float32 probabilities under per-row parameters.
 
     Shape:
@@ -56,16 +22,23 @@ def process_logits(x: torch.Tensor, params: RowParams) -> torch.Tensor:
 
     Order: temperature, top-k, top-p (on the top-k renormalised distribution), min-p.
     Tokens tied at a top-k/top-p boundary are kept together. Rows with temperature 0
-    are a one-hot on the first argmax. If ``x`` still held NaN (policy ``off`` on a
-    corrupted row) the row comes out NaN; samplers map that to a valid id.
+    are a one-hot on the first argmax. A masked token (logit <= -SANITIZE_MAX: a -inf
+    mask or a NaN after sanitizing) keeps probability 0 at every temperature, however
+    large, unless its whole row is masked (then the row is uniform). If ``x`` still held
+    NaN (policy ``off`` on a corrupted row) the row comes out NaN; samplers map that to a
+    valid id.
     """
     vocab = x.shape[-1]
     temp = params.temperature
     greedy = temp <= 0  # [R]
     best = x.argmax(-1)  # [R]
+    masked = x <= -SANITIZE_MAX  # [R, V]
+    masked = masked & ~masked.all(-1, keepdim=True)
     # Shift by the row max before dividing: the max maps to exactly 0, everything else
     # to <= 0, so a tiny temperature gives -inf tails instead of inf - inf = NaN.
     z = (x - x.max(-1, keepdim=True).values) / torch.where(greedy, 1.0, temp).unsqueeze(-1)
+    # A huge temperature maps -1e30 to about -1: re-mask, so masked tokens stay at 0.
+    z = z.masked_fill(masked, float("-inf"))
     if params.top_k is not None or params.top_p is not None:
         z = _top_k_top_p(z, params.top_k, params.top_p)
     if params.min_p is not None:
@@ -101,22 +74,6 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
     return z
 
 
-def race_sample(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one index per row with probability proportional to ``weights``, no host sync.
-
-    Shape: weights [..., V] (non-negative, need not be normalised) -> int64 [...].
-
-    Exponential race: argmax_i w_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability
-    w_i / sum(w). E = -log(U) with U float64 in (0, 1]. Entries that are not > 0 (zero,
-    NaN) never win unless the whole row is such, and then the result is 0: always in range.
-    """
-    u = 1.0 - torch.rand(weights.shape, dtype=torch.float64, device=weights.device, generator=generator)
-    e = -torch.log(u)  # [..., V], >= 0; e == 0 only when u == 1, then w/e = inf wins
-    w = weights.double()
-    score = torch.where(w > 0, w / e, -1.0)
-    return score.argmax(-1)
-
-
 def logits_to_probs(
     logits: torch.Tensor,
     *,
@@ -132,23 +89,31 @@ def logits_to_probs(
 
     Shape:
         logits: [B, V], float16/bfloat16/float32/float64.
-        temperature, top_p, min_p: scalar or float tensor [B]; top_k: int or int tensor [B].
-        returns: probs [B, V] float32 (plus nonfinite [B] bool if ``return_nonfinite``).
+        temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int,
+            list of B, or int tensor [B] (see :class:`SamplingParams`).
+        returns: probs [B, V] float32; with ``return_nonfinite`` the
+            :class:`SamplerOutput` ``(probs, nonfinite_rows [B] bool)`` whose attribute
+            ``dead_rows`` [B] bool marks rows with no finite value.
 
-    ``top_k`` None or 0 disables top-k; ``top_p`` None or 1 disables top-p; ``min_p`` None
-    or 0 disables min-p. Temperature 0 gives a one-hot on the argmax.
+    ``temperature`` None means 1.0 (no scaling); 0 gives a one-hot on the argmax; it must
+    be finite. ``top_k`` None or 0 disables top-k; ``top_p`` None or 1 disables top-p;
+    ``min_p`` None or 0 disables min-p. A -inf-masked token stays at probability 0.
 
-    NaN: logits are sanitized (per ``nan_policy``) on a copy first, so every row sums to 1
-    even when the whole row was NaN (then it is uniform, or one-hot on id 0 if greedy).
-    ``return_nonfinite=True`` also returns which rows held NaN/Inf.
+    NaN: logits are sanitized (``nan_policy`` off/sanitize/abort/guard; ``raise`` raises
+    on NaN only, never on Inf) on a copy first, so every row sums to 1 even when the whole
+    row was NaN (then it is uniform, or one-hot on id 0 if greedy). Under ``"off"``
+    nothing is checked: ``nonfinite_rows`` and ``dead_rows`` are None.
     """
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
-    params = RowParams.parse(batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    work, nonfinite = prepare_logits(logits, nan_policy)
-    probs = process_logits(work, params)
-    return (probs, nonfinite) if return_nonfinite else probs
+    params = SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=logits.device,
+                                  check_inputs=check_inputs)
+    prep = prepare_logits(logits, nan_policy)
+    probs = process_logits(prep.work, params)
+    if not return_nonfinite:
+        return probs
+    return SamplerOutput(("probs", "nonfinite_rows"), probs=probs, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
 def sample(
@@ -158,7 +123,7 @@ def sample(
     top_k=None,
     top_p=None,
     min_p=None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     nan_policy: NanPolicy | str | None = None,
     check_inputs: bool = False,
     return_nonfinite: bool = False,
@@ -167,13 +132,18 @@ def sample(
 
     Shape:
         logits: [B, V]; parameters as in :func:`logits_to_probs`.
-        returns: ids [B] int64 in [0, V) (plus nonfinite [B] bool if ``return_nonfinite``).
+        generator: None, a ``torch.Generator``, or a sequence of B generators (row b
+            draws V uniforms from ``generator[b]`` only).
+        returns: ids [B] int64 in [0, V); with ``return_nonfinite`` the
+            :class:`SamplerOutput` ``(ids, nonfinite_rows [B] bool)`` with the attribute
+            ``dead_rows`` [B] bool.
 
     Rows with temperature 0 are greedy (first argmax), so one batch mixes greedy and
-    sampled rows. ``generator`` must live on the logits' device.
+    sampled rows. Generators must live on the logits' device.
 
-    NaN: logits are sanitized per ``nan_policy``; an all-NaN row gives a valid id (never
-    out of range), and ``return_nonfinite=True`` reports the row.
+    NaN: logits are sanitized per ``nan_policy`` (``raise``: NaN only); an all-NaN row
+    gives a valid id (never out of range) and is reported in ``nonfinite_rows`` and
+    ``dead_rows`` (None under ``"off"``, which checks nothing).
 
     Examples
     --------
@@ -188,16 +158,14 @@ def sample(
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
-    check_generator(generator, logits.device)
-    params = RowParams.parse(batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    work, nonfinite = prepare_logits(logits, nan_policy)
-    if is_all_greedy(temperature):
-        ids = work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
+    check_generator(generator, logits.device, batch)
+    params = SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=logits.device,
+                                  check_inputs=check_inputs)
+    prep = prepare_logits(logits, nan_policy)
+    if params.all_greedy:
+        ids = prep.work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
     else:
-        ids = race_sample(process_logits(work, params), generator)
-    return (ids, nonfinite) if return_nonfinite else ids
-
-
-def is_all_greedy(temperature) -> bool:
-    """True when ``temperature`` is a Python number 0 (no tensor read: a host-side fact)."""
-    return isinstance(temperature, (int, float)) and temperature == 0
+        ids = race_sample(process_logits(prep.work, params), generator)
+    if not return_nonfinite:
+        return ids
+    return SamplerOutput(("ids", "nonfinite_rows"), ids=ids, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)

@@ -4,7 +4,8 @@ A tree is given per batch row as ``tree_token_ids`` [B, N] and ``tree_parents`` 
 Node 0 is the root (the last verified token; its logits predict the first new token).
 Node i > 0 is real when ``0 <= tree_parents[b, i] < i`` and its parent is reachable from
 the root; every other node is padding, so trees of different sizes share one batch.
-Siblings are tried in index order.
+Siblings are tried in index order. Words (accepted, recovered, bonus, emitted, dead row)
+as in the glossary of ``samplers``.
 
 Verification walks down from the root one depth level per step (a Python loop over at
 most D + 1 levels; every step is vectorised over the batch and the nodes).
@@ -18,8 +19,10 @@ from numbers import Integral
 import torch
 
 from numerics import NanPolicy
-from samplers._nan import clean_probs, prepare_logits, raise_if_nonfinite_probs
+from samplers import _rejection
+from samplers._nan import clean_probs, prepare_logits, raise_if_nan_probs
 from samplers._params import (
+    SamplingParams,
     check_device,
     check_float_tensor,
     check_generator,
@@ -27,7 +30,10 @@ from samplers._params import (
     check_shape,
     check_vocab,
 )
-from samplers.probs import PLACEHOLDER_TOKEN_ID, RowParams, is_all_greedy, process_logits, race_sample
+from samplers.draws import Generators, race_sample, row_uniform
+from samplers.probs import PLACEHOLDER_TOKEN_ID, process_logits
+
+SIBLING_SAMPLING = ("with_replacement", "without_replacement")
 
 
 @dataclass(frozen=True)
@@ -41,15 +47,25 @@ class TreeVerifyResult:
     output_token_ids : Tensor [B, D+1] int32
         The accepted draft tokens, then the recovered/bonus token, then -1.
     num_emitted : Tensor [B] int32
-        Tokens emitted per row: accepted nodes + 1.
-    nonfinite_rows : Tensor [B] bool
+        Tokens emitted per row: ``num_accepted + 1`` (B = 0: empty).
+    nonfinite_rows : Tensor [B] bool, or None under ``nan_policy="off"``
         Rows whose target logits held NaN/Inf, or whose draft_probs needed repair.
+    dead_rows : Tensor [B] bool, or None under ``nan_policy="off"``
+        Rows with a target position (node) whose logits hold no finite value (see the
+        glossary). Added last, with a default, so positional construction still works.
+    num_accepted : Tensor [B] int32 (property)
+        Accepted draft nodes per row: ``num_emitted - 1``.
     """
 
     accepted_node_ids: torch.Tensor
     output_token_ids: torch.Tensor
     num_emitted: torch.Tensor
-    nonfinite_rows: torch.Tensor
+    nonfinite_rows: torch.Tensor | None
+    dead_rows: torch.Tensor | None = None
+
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        return self.num_emitted - 1
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,8 @@ def tree_verify(
     top_p=None,
     min_p=None,
     draft_probs: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    sibling_sampling: str = "with_replacement",
+    generator: Generators = None,
     nan_policy: NanPolicy | str | None = None,
     max_depth: int | None = None,
     max_children: int | None = None,
@@ -113,10 +130,18 @@ def tree_verify(
     Shape:
         tree_token_ids: [B, N] integer (entry 0, the root's token, is not read).
         tree_parents: [B, N] integer; ``tree_parents[b, 0] == -1``.
-        target_logits: [B, N, V] floating; row i predicts the token after node i.
-        temperature, top_p, min_p: scalar or float tensor [B]; top_k: int or int tensor [B].
+        target_logits: [B, N, V] floating, any strides; row i predicts the token after
+            node i.
+        temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int,
+            list of B, or int tensor [B] (see :class:`SamplingParams`; temperature None
+            means 1.0).
         draft_probs: None, or [B, N, V]: the drafter's distribution at node i, the one
             node i's children were drawn from.
+        generator: None, a ``torch.Generator``, or a sequence of B generators. Row b then
+            draws from ``generator[b]`` only: N acceptance uniforms (with draft_probs),
+            then V per depth level 0..D, where D is ``max_depth`` (pass it: otherwise D is
+            the batch's deepest tree, which moves each generator's state after the call,
+            though never this call's tokens).
         returns: :class:`TreeVerifyResult` with D the tree's maximum depth.
 
     Greedy rows (temperature 0) follow the child whose token is the target's argmax, and
@@ -125,24 +150,39 @@ def tree_verify(
     * ``draft_probs=None`` (deterministic drafts, e.g. EAGLE-2's top-k children): at each
       node draw x from the target's processed distribution; follow the first child (index
       order) whose token is x, else emit x and stop. Exact for any way of choosing children.
-    * ``draft_probs`` given: SpecInfer's multi-step rejection with replacement. With p the
-      target's distribution at the node and q = draft_probs at the node, each child c in
-      index order is accepted with probability ``min(1, p[x_c] / q[x_c])``; on rejection
-      ``p <- normalise(max(p - q, 0))`` and q stays. If every child is rejected, emit a
-      token drawn from the final p. Exact when each child token was drawn independently
-      from q (sampling with replacement). For children picked deterministically (top-k
-      without replacement) pass ``draft_probs=None`` instead. Children with q[x] == 0
-      cannot have been drawn from q and are skipped.
+    * ``draft_probs`` given: recursive rejection. With p the target's distribution at the
+      node and q = draft_probs at the node, each child c in index order is accepted with
+      probability ``min(1, p[x_c] / q[x_c])``; on rejection ``p <- normalise(max(p - q,
+      0))``, and with ``sibling_sampling="without_replacement"`` also ``q <- q with x_c
+      zeroed, renormalised``. If every child is rejected, emit a token drawn from the
+      final p. Children with q[x] == 0 (under the current q) cannot have been drawn and
+      are skipped.
+
+      - ``"with_replacement"`` (SpecInfer): exact when the children's tokens were drawn
+        independently from q.
+      - ``"without_replacement"`` (Recursive Speculative Decoding, Jeon et al. 2024):
+        exact when the children are successive draws from q without replacement, in
+        index order (:func:`sample_without_replacement`, Gumbel-top-k).
+
+      Both are exact only when the number of children kept at a node does not depend on
+      the children's own drawn values (a fixed count per node, or one set by the
+      ancestors): pruning siblings by their own draft scores, as EAGLE-2's dynamic tree
+      does, breaks it. For children picked deterministically (top-k of q) pass
+      ``draft_probs=None`` instead.
 
     A child with an out-of-range token is never accepted. ``max_depth`` D (and, with
     draft_probs, ``max_children``, the largest sibling count) bound the depth loop; when
     one that is needed is None it is computed from ``tree_parents`` with ONE host sync.
     Pass them to stay sync-free (the pipeline knows its tree shape). Nodes deeper than
     ``max_depth`` are never accepted (verification stays exact; paths are cut there).
+    B = 0 gives empty outputs.
 
     NaN: target logits are sanitized on a copy per ``nan_policy`` (``raise`` raises
-    NanLogitsError naming the batch rows, also for NaN/Inf in draft_probs); draft_probs entries that are NaN/Inf/negative
-    count as 0. ``nonfinite_rows`` reports the affected rows; ids are always in [0, V).
+    NanLogitsError naming the batch rows that hold NaN, also in draft_probs; Inf never
+    raises; ``guard``/``abort`` act as ``sanitize``); draft_probs entries that are
+    NaN/Inf/negative count as 0. ``nonfinite_rows`` and ``dead_rows`` report the
+    affected rows (policy ``off``: nothing is checked, both are None); ids are always in
+    [0, V).
     """
     check_int_tensor(tree_token_ids, "tree_token_ids", 2)
     check_int_tensor(tree_parents, "tree_parents", 2)
@@ -161,10 +201,12 @@ def tree_verify(
         check_float_tensor(draft_probs, "draft_probs", 3)
         check_shape(draft_probs, "draft_probs", (batch, n, vocab))
         check_device(draft_probs, "draft_probs", device)
-    check_generator(generator, device)
+    if sibling_sampling not in SIBLING_SAMPLING:
+        raise ValueError(f"sibling_sampling must be one of {SIBLING_SAMPLING}, got {sibling_sampling!r}")
+    check_generator(generator, device, batch)
     max_depth = _check_count(max_depth, "max_depth")
     max_children = _check_count(max_children, "max_children")
-    params = RowParams.parse(batch, device, temperature, top_k, top_p, min_p, check_inputs)
+    params = SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=device, check_inputs=check_inputs)
 
     tree = _analyse_tree(tree_parents.long())
     tokens = tree_token_ids.long()
@@ -173,24 +215,30 @@ def tree_verify(
     need_children = draft_probs is not None and max_children is None
     if max_depth is None or need_children:
         # ONE host sync: the loop bounds are Python ints. Pass max_depth/max_children to avoid it.
-        widest = ((tree.rank + 1) * tree.reachable).max() if n > 1 else tree.depth.new_zeros(())
-        deepest, widest = torch.stack([tree.depth.max(), widest]).tolist()
+        zero = tree.depth.new_zeros(1)  # keeps max() defined for B = 0
+        widest = ((tree.rank + 1) * tree.reachable).flatten()
+        bounds = torch.stack([torch.cat([tree.depth.flatten(), zero]).max(), torch.cat([widest, zero]).max()])
+        deepest, widest = bounds.tolist()
         max_depth = deepest if max_depth is None else max_depth
         max_children = widest if max_children is None else max_children
 
-    raise_if_nonfinite_probs(nan_policy, draft_probs)
-    work, nonfinite = prepare_logits(target_logits, nan_policy)  # [B, N, V] float32
+    raise_if_nan_probs(nan_policy, draft_probs)
+    prep = prepare_logits(target_logits, nan_policy)  # [B, N, V] float32
+    nonfinite = prep.nonfinite
     token_ok = (tokens >= 0) & (tokens < vocab)
-    walk = _Walk(tree, tokens.clamp(0, vocab - 1), token_ok, params.temperature <= 0, generator)
     q_all = None
     if draft_probs is not None:
         q_all, bad_q = clean_probs(draft_probs, zero_rows="zero")
-        nonfinite = nonfinite | (bad_q & tree.reachable).any(1)
-    if is_all_greedy(temperature):
+        if nonfinite is not None:  # None under policy off: nothing is reported
+            nonfinite = nonfinite | (bad_q & tree.reachable).any(1)
+    walk = _Walk(tree, tokens.clamp(0, vocab - 1), token_ok, params.temperature <= 0, generator,
+                 sibling_sampling == "without_replacement")
+    if params.all_greedy:
         # Every row greedy: the argmax per node is all the walk needs (q is not consulted).
-        return _descend(walk, None, None, max_depth, 0, nonfinite, argmax_ids=work.argmax(-1))
-    probs = process_logits(work.view(batch * n, vocab), params.repeat(n)).view(batch, n, vocab)
-    return _descend(walk, probs, q_all, max_depth, max_children or 0, nonfinite)
+        return _descend(walk, None, None, max_depth, 0, nonfinite, prep.dead, argmax_ids=prep.work.argmax(-1))
+    # reshape, not view: the caller's logits may be non-contiguous (policy off keeps them).
+    probs = process_logits(prep.work.reshape(batch * n, vocab), params.repeat(n)).reshape(batch, n, vocab)
+    return _descend(walk, probs, q_all, max_depth, max_children or 0, nonfinite, prep.dead)
 
 
 @dataclass(frozen=True)
@@ -199,14 +247,16 @@ class _Walk:
     tokens: torch.Tensor  # [B, N] int64, clamped into [0, V)
     token_ok: torch.Tensor  # [B, N] bool: the drafted token was in range
     greedy: torch.Tensor  # [B] bool
-    generator: torch.Generator | None
+    generator: Generators
+    without_replacement: bool
 
 
-def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, argmax_ids=None) -> TreeVerifyResult:
+def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, dead, argmax_ids=None) -> TreeVerifyResult:
     """Walk every row from the root, one depth level per step.
 
     Shape: probs [B, N, V] float32 target distributions; q_all [B, N, V] or None;
     argmax_ids [B, N] (all rows greedy; then probs is None).
+    Draws per row (sampled batches): N node uniforms when q_all is given, then V per level.
     """
     batch, n = walk.tokens.shape
     device = walk.tokens.device
@@ -215,6 +265,9 @@ def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, argmax_
     active = torch.ones(batch, dtype=torch.bool, device=device)
     out = torch.full((batch, depth_bound + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     path = torch.full((batch, depth_bound), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
+    # One acceptance uniform per node, drawn up front: each node is tested at most once, and
+    # a row's draws do not depend on how many siblings other rows have.
+    node_u = None if q_all is None else row_uniform((batch, n), walk.generator, device=device)
     for step in range(depth_bound + 1):
         is_child = walk.tree.reachable & (walk.tree.parents == cur.unsqueeze(1)) & walk.token_ok
         if step == depth_bound:
@@ -227,14 +280,14 @@ def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, argmax_
             child, has, token = _follow_sample(p, is_child, walk)
         else:
             p = probs[rows, cur]
-            child, has, token = _follow_rejection(p, q_all[rows, cur], is_child, walk, children_bound)
+            child, has, token = _follow_rejection(p, q_all[rows, cur], is_child, walk, children_bound, node_u)
         out[:, step] = torch.where(active, token, PLACEHOLDER_TOKEN_ID)
         if step < depth_bound:
             path[:, step] = torch.where(active & has, child, PLACEHOLDER_TOKEN_ID)
         active = active & has
         cur = torch.where(has, child, cur)
     num_emitted = (out != PLACEHOLDER_TOKEN_ID).sum(1).to(torch.int32)
-    return TreeVerifyResult(path, out.to(torch.int32), num_emitted, nonfinite)
+    return TreeVerifyResult(path, out.to(torch.int32), num_emitted, nonfinite, dead)
 
 
 def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,11 +302,11 @@ def _follow_sample(p, is_child, walk):
     return child, has, x
 
 
-def _follow_rejection(p, q, is_child, walk, children_bound):
-    """SpecInfer multi-step rejection over the children in index order.
+def _follow_rejection(p, q, is_child, walk, children_bound, node_u):
+    """Recursive rejection over the children in index order (with or without replacement).
 
-    Shape: p, q [B, V] float32 (p sums to 1), is_child [B, N] -> (child [B], has [B],
-    token [B]). A loop over sibling rank (at most ``children_bound`` iterations).
+    Shape: p, q [B, V] float32 (p sums to 1), is_child [B, N], node_u [B, N] float64 ->
+    (child [B], has [B], token [B]). A loop over sibling rank (``children_bound`` steps).
     """
     batch = p.shape[0]
     found = torch.zeros(batch, dtype=torch.bool, device=p.device)
@@ -263,29 +316,21 @@ def _follow_rejection(p, q, is_child, walk, children_bound):
         x = walk.tokens.gather(1, child.unsqueeze(1))  # [B, 1]
         px = p.gather(1, x).squeeze(1).double()
         qx = q.gather(1, x).squeeze(1).double()
-        u = 1.0 - torch.rand(batch, dtype=torch.float64, device=p.device, generator=walk.generator)
+        u = node_u.gather(1, child.unsqueeze(1)).squeeze(1)  # [B]
         live = exists & ~found
         # Greedy rows: p is one-hot on the argmax, accept exactly the child that matches it.
         sampled_accept = (qx > 0) & (px >= u * qx)  # min(1, p/q) >= u, division guarded
         accept = live & torch.where(walk.greedy, px > 0, sampled_accept)
-        reject = live & ~walk.greedy & (qx > 0) & ~accept  # only real draws from q recurse
-        p = torch.where(reject.unsqueeze(1), _residual(p, q), p)
+        reject = (live & ~walk.greedy & (qx > 0) & ~accept).unsqueeze(1)  # only real draws from q recurse
+        p_next = _rejection.residual(p, q)
+        if walk.without_replacement:
+            q = torch.where(reject, _rejection.without_token(q, x.squeeze(1)), q)
+        p = torch.where(reject, p_next, p)
         chosen = torch.where(accept, child, chosen)
         found = found | accept
     drawn = race_sample(p, walk.generator)
     token = torch.where(found, walk.tokens.gather(1, chosen.unsqueeze(1)).squeeze(1), drawn)
     return chosen, found, token
-
-
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalise(max(p - q, 0)): the target after a rejected draw from q. [B, V] -> [B, V].
-
-    Rounding can leave no mass (p == q), where exact arithmetic rejects with probability
-    0; then p is kept.
-    """
-    residual = (p - q).clamp(min=0)
-    total = residual.sum(-1, keepdim=True)
-    return torch.where(total > 0, residual / total.clamp(min=1e-30), p)
 
 
 def _check_tree_values(tree: _Tree, tokens: torch.Tensor, vocab: int) -> None:

@@ -1,21 +1,17 @@
 """Chain verification: greedy, and speculative (rejection) sampling.
 
-Glossary (as in vLLM's rejection sampler):
-    accepted token: a draft token that verification keeps.
-    recovered token: the token drawn from the residual ``max(p - q, 0)`` at the first
-        rejected position.
-    bonus token: the token drawn from the target's last distribution when every draft
-        token was accepted.
-Outputs hold the accepted tokens, then one recovered or bonus token, then
-``PLACEHOLDER_TOKEN_ID`` (-1).
+Words (accepted, recovered, bonus, emitted) as in the glossary of ``samplers``. Outputs
+hold the accepted tokens, then one recovered or bonus token, then
+``PLACEHOLDER_TOKEN_ID`` (-1): ``num_emitted = num_accepted + 1`` tokens per row.
 """
 
 from __future__ import annotations
 
 import torch
 
-from numerics import NanPolicy
-from samplers._nan import clean_probs, prepare_logits, raise_if_nonfinite_probs
+from numerics import NanPolicy, dead_row_mask
+from samplers import _rejection
+from samplers._nan import clean_probs, prepare_logits, raise_if_nan_probs
 from samplers._params import (
     check_device,
     check_float_tensor,
@@ -25,7 +21,9 @@ from samplers._params import (
     check_shape,
     check_vocab,
 )
-from samplers.probs import PLACEHOLDER_TOKEN_ID, race_sample
+from samplers.draws import Generators, race_sample, row_uniform
+from samplers.output import SamplerOutput
+from samplers.probs import PLACEHOLDER_TOKEN_ID
 
 
 def _emit(draft: torch.Tensor, final: torch.Tensor, num: torch.Tensor) -> torch.Tensor:
@@ -53,22 +51,27 @@ def greedy_verify(
     nan_policy: NanPolicy | str | None = None,
     check_inputs: bool = False,
     return_nonfinite: bool = False,
-):
+) -> SamplerOutput:
     """Accept draft tokens while they equal the target's argmax.
 
     Shape:
         draft_token_ids: [B, K] integer.
         target_logits: [B, K+1, V] floating; position j predicts the token after draft j-1.
-        returns: (output_token_ids [B, K+1] int32, emitted_num [B] int32)
-            [+ nonfinite [B] bool if ``return_nonfinite``].
+        returns: :class:`SamplerOutput` ``(output_token_ids [B, K+1] int32,
+            num_accepted [B] int32)`` [+ ``nonfinite_rows`` [B] bool if
+            ``return_nonfinite``]; attributes also ``num_emitted`` [B] int32 and
+            ``dead_rows`` [B] bool (``emitted_num``: deprecated name of num_accepted).
 
     ``output_token_ids`` holds the accepted draft tokens, then the target's argmax at the
-    first mismatch (or the bonus argmax when all K match), then -1. ``emitted_num`` counts
-    the accepted DRAFT tokens, as FlashInfer's ``emitted_draft_token_num`` does: the row
-    holds ``emitted_num + 1`` tokens. Out-of-range draft ids are never accepted.
+    first mismatch (or the bonus argmax when all K match), then -1. ``num_accepted``
+    counts the accepted draft tokens (FlashInfer's ``emitted_draft_token_num``); the row
+    emits ``num_emitted = num_accepted + 1`` tokens. Out-of-range draft ids are never
+    accepted.
 
-    NaN: logits are sanitized on a copy per ``nan_policy`` (an all-NaN position's argmax
-    is id 0); ``nonfinite`` marks rows with any NaN/Inf logit.
+    NaN: logits are sanitized on a copy per ``nan_policy`` (``raise``: NaN only; an
+    all-NaN position's argmax is id 0); ``nonfinite_rows`` marks rows with any NaN/Inf
+    logit, ``dead_rows`` rows with a position that has no finite logit. Under ``"off"``
+    nothing is checked (no pass over the logits): both are None.
     """
     check_int_tensor(draft_token_ids, "draft_token_ids", 2)
     check_float_tensor(target_logits, "target_logits", 3)
@@ -80,13 +83,14 @@ def greedy_verify(
     if check_inputs:
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
     # argmax needs no float32 upcast: sanitize a copy in the logits' own dtype.
-    work, nonfinite = prepare_logits(target_logits, nan_policy, dtype=None)
-    best = work.argmax(-1)  # [B, K+1]
+    prep = prepare_logits(target_logits, nan_policy, dtype=None)
+    best = prep.work.argmax(-1)  # [B, K+1]
     draft = draft_token_ids.long()
     num = _leading_true(draft == best[:, :k])  # out-of-range ids never equal an argmax
     out = _emit(draft, best.gather(1, num.unsqueeze(1)).squeeze(1), num)
-    result = (out, num.to(torch.int32))
-    return result + (nonfinite,) if return_nonfinite else result
+    positional = ("output_token_ids", "num_accepted") + (("nonfinite_rows",) if return_nonfinite else ())
+    return SamplerOutput(positional, output_token_ids=out, num_accepted=num.to(torch.int32),
+                         num_emitted=(num + 1).to(torch.int32), nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
 def chain_speculative_sampling(
@@ -94,12 +98,12 @@ def chain_speculative_sampling(
     draft_token_ids: torch.Tensor,
     target_probs: torch.Tensor,
     *,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     nan_policy: NanPolicy | str | None = None,
     check_inputs: bool = False,
     return_nonfinite: bool = False,
     backend: str = "auto",
-):
+) -> SamplerOutput:
     """Speculative sampling of a draft chain: the output is distributed as the target's.
 
     Shape:
@@ -107,26 +111,37 @@ def chain_speculative_sampling(
             drawn from; or None for deterministic drafts (q is then one-hot on the token).
         draft_token_ids: [B, K] integer.
         target_probs: [B, K+1, V] floating.
-        returns: (output_token_ids [B, K+1] int32, accepted_num [B] int32,
-            emitted_num [B] int32) [+ nonfinite [B] bool if ``return_nonfinite``].
+        generator: None, a ``torch.Generator``, or a sequence of B generators (row b
+            draws K uniforms, then V, from ``generator[b]`` only).
+        returns: :class:`SamplerOutput` ``(output_token_ids [B, K+1] int32,
+            num_passed [B] int32, num_accepted [B] int32)`` [+ ``nonfinite_rows`` [B]
+            bool if ``return_nonfinite``]; attributes also ``num_emitted`` [B] int32 and
+            ``dead_rows`` [B] bool. Deprecated names: ``accepted_num`` (num_passed),
+            ``emitted_num`` (num_accepted).
 
-    Same meaning as FlashInfer's function of this name: draft j is accepted when
+    Same rule as FlashInfer's function of this name: draft j is accepted when
     ``q > 0 and p / q >= u`` (u float64 uniform in (0, 1]); at the first rejection the
     recovered token is drawn from normalised ``max(p - q, 0)``; if all K are accepted the
-    bonus token is drawn from ``target_probs[:, K]``. ``emitted_num`` counts the accepted
-    draft tokens (the row holds ``emitted_num + 1`` tokens); ``accepted_num`` counts the
-    drafts that would pass their own test independently of earlier rejections (a
-    drafter-alignment metric). An out-of-range draft id is always rejected and its q
-    treated as all zero (the recovered token is then drawn from p).
+    bonus token is drawn from ``target_probs[:, K]``. Exact for drafts really drawn from
+    ``draft_probs`` (sampled chains: draft j ~ q_j given drafts < j), and for
+    deterministic drafts with ``draft_probs=None``. ``num_accepted`` counts the accepted
+    draft tokens (the row emits ``num_emitted = num_accepted + 1``); ``num_passed``
+    counts the drafts that pass their own test regardless of earlier rejections (a
+    drafter-alignment metric, FlashInfer's ``accepted_num``). An out-of-range draft id
+    is always rejected and its q treated as all zero (the recovered token is then drawn
+    from p).
 
     ``backend``: ``"auto"`` uses FlashInfer's kernel for CUDA tensors when flashinfer is
-    installed, else torch; ``"torch"`` forces the torch path; ``"flashinfer"`` requires it.
+    installed and ``generator`` is not a sequence, else torch; ``"torch"`` forces the
+    torch path; ``"flashinfer"`` requires it (one generator only).
 
     NaN: probabilities that are NaN/Inf/negative count as 0 and rows are renormalised; a
     target row with no mass left becomes uniform, a draft row with no mass rejects its
-    token. ``nonfinite`` marks batch rows where any such repair happened. This happens
-    under every ``nan_policy``; ``"raise"`` first raises NanLogitsError naming the batch
-    rows whose probabilities hold NaN/Inf (one host sync).
+    token. ``nonfinite_rows`` marks batch rows where any such repair happened,
+    ``dead_rows`` rows with a target position without any finite probability. This
+    happens under every ``nan_policy``; ``"raise"`` first raises NanLogitsError naming
+    the batch rows whose probabilities hold NaN (one host sync; Inf does not raise).
+    Under ``"off"`` nothing is reported: ``nonfinite_rows`` and ``dead_rows`` are None.
     """
     check_int_tensor(draft_token_ids, "draft_token_ids", 2)
     check_float_tensor(target_probs, "target_probs", 3)
@@ -140,20 +155,25 @@ def chain_speculative_sampling(
         check_float_tensor(draft_probs, "draft_probs", 3)
         check_shape(draft_probs, "draft_probs", (batch, k, vocab))
         check_device(draft_probs, "draft_probs", device)
-    check_generator(generator, device)
+    check_generator(generator, device, batch)
     if backend not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'flashinfer', got {backend!r}")
+    per_row_generators = generator is not None and not isinstance(generator, torch.Generator)
+    if backend == "flashinfer" and per_row_generators:
+        raise ValueError("backend='flashinfer' takes one generator, not one per row")
     if check_inputs:
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
     # Probabilities are cleaned under every policy (it is cheap and keeps ids in range);
-    # ``raise`` additionally raises NanLogitsError naming rows with NaN/Inf probabilities.
-    raise_if_nonfinite_probs(nan_policy, target_probs, draft_probs)
+    # ``raise`` additionally raises NanLogitsError naming rows with NaN probabilities.
+    raise_if_nan_probs(nan_policy, target_probs, draft_probs)
 
     p, bad = clean_probs(target_probs, zero_rows="uniform")  # [B, K+1, V], [B, K+1]
     draft = draft_token_ids.long()
     valid = (draft >= 0) & (draft < vocab)  # [B, K]
     safe = draft.clamp(0, vocab - 1)
+    checked = NanPolicy.resolve(nan_policy) != NanPolicy.OFF
     nonfinite = bad.any(1)
+    dead = dead_row_mask(target_probs).any(1) if checked else None
     if draft_probs is None:
         q = torch.nn.functional.one_hot(safe, vocab).float()  # [B, K, V]
     else:
@@ -161,32 +181,36 @@ def chain_speculative_sampling(
         nonfinite = nonfinite | bad_q.any(1)
     q = q * valid.unsqueeze(-1)  # an out-of-range id proposes nothing
 
-    fi = _flashinfer() if backend != "torch" and device.type == "cuda" else None
+    use_fi = backend != "torch" and device.type == "cuda" and not per_row_generators
+    fi = _flashinfer() if use_fi else None
     if backend == "flashinfer" and fi is None:
         raise ValueError("backend='flashinfer' needs CUDA tensors and an importable flashinfer")
     if fi is not None:
-        out, accepted, emitted = _chain_flashinfer(fi, p, q, safe, generator)
+        out, passed, num = _chain_flashinfer(fi, p, q, safe, generator)
     else:
-        out, accepted, emitted = _chain_torch(p, q, safe, generator)
-    result = (out, accepted, emitted)
-    return result + (nonfinite,) if return_nonfinite else result
+        out, passed, num = _chain_torch(p, q, safe, generator)
+    nonfinite = nonfinite if checked else None
+    positional = ("output_token_ids", "num_passed", "num_accepted") + (("nonfinite_rows",) if return_nonfinite else ())
+    return SamplerOutput(positional, output_token_ids=out, num_passed=passed, num_accepted=num.to(torch.int32),
+                         num_emitted=(num + 1).to(torch.int32), nonfinite_rows=nonfinite, dead_rows=dead)
 
 
 def _chain_torch(p, q, draft, generator):
     """Torch chain sampling on cleaned inputs.
 
     Shape: p [B, K+1, V] float32 (rows sum to 1), q [B, K, V] float32, draft [B, K] int64
-    in range -> (out [B, K+1] int32, accepted [B] int32, emitted [B] int32).
+    in range -> (out [B, K+1] int32, passed [B] int32, num_accepted [B] int64).
+    Draws per row: K acceptance uniforms, then V for the recovered/bonus race.
     """
     batch, k = draft.shape
     p_draft = p[:, :k].gather(2, draft.unsqueeze(-1)).squeeze(-1).double()  # [B, K]
     q_draft = q.gather(2, draft.unsqueeze(-1)).squeeze(-1).double()  # [B, K]
-    u = 1.0 - torch.rand((batch, k), dtype=torch.float64, device=p.device, generator=generator)
+    u = row_uniform((batch, k), generator, device=p.device)
     # Guarded division: q == 0 (token the drafter could not have proposed) is a rejection.
     passed = (q_draft > 0) & (p_draft >= u * q_draft)  # p/q >= u without dividing
     num = _leading_true(passed)  # [B]
     final = _final_token(p, q, num, generator)
-    return _emit(draft, final, num), passed.sum(1).to(torch.int32), num.to(torch.int32)
+    return _emit(draft, final, num), passed.sum(1).to(torch.int32), num
 
 
 def _final_token(p, q, num, generator):
@@ -199,18 +223,7 @@ def _final_token(p, q, num, generator):
     p_at = p.gather(1, idx).squeeze(1)  # [B, V]
     q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)  # the bonus position has q = 0
     q_at = q_pad.gather(1, idx).squeeze(1)
-    return race_sample(_residual_weights(p_at, q_at), generator)
-
-
-def _residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Unnormalised ``max(p - q, 0)`` (the race needs no normalisation). [B, V] -> [B, V].
-
-    Exact arithmetic gives the residual positive mass whenever a rejection is possible;
-    rounding can leave none (p == q): fall back to p rather than sample from nothing.
-    """
-    residual = (p - q).clamp(min=0)
-    empty = residual.sum(-1, keepdim=True) <= 0
-    return torch.where(empty, p, residual)
+    return race_sample(_rejection.residual(p_at, q_at), generator)
 
 
 _FLASHINFER_MISSING = object()
@@ -240,14 +253,15 @@ def _chain_flashinfer(fi, p, q, draft, generator):
     untouched, so the result has the torch path's distribution.
     """
     batch, k = draft.shape
-    out, accepted, emitted = fi.chain_speculative_sampling(
+    # FlashInfer's (accepted_num, emitted_num) are our (num_passed, num_accepted).
+    out, passed, fi_accepted = fi.chain_speculative_sampling(
         q.contiguous(), draft.to(torch.int32).contiguous(), p.contiguous(), generator=generator
     )
     q_draft = q.gather(2, draft.unsqueeze(-1)).squeeze(-1)  # [B, K]
     first_bad = _leading_true(q_draft > 0)  # [B], K when every token is proposable
-    emitted = emitted.long()
-    cut = emitted > first_bad
-    num = torch.where(cut, first_bad, emitted)
+    fi_accepted = fi_accepted.long()
+    cut = fi_accepted > first_bad
+    num = torch.where(cut, first_bad, fi_accepted)
     fixed_final = _final_token(p, q, first_bad, generator)
     final = torch.where(cut, fixed_final, out.long().gather(1, num.unsqueeze(1)).squeeze(1))
-    return _emit(draft, final, num), accepted.to(torch.int32), num.to(torch.int32)
+    return _emit(draft, final, num), passed.to(torch.int32), num

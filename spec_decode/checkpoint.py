@@ -9,6 +9,11 @@ Reads, in this order of preference:
 
 Pickles are read with ``torch.load(weights_only=True)``, so a checkpoint cannot run code at load time.
 Nothing here knows about model architectures: callers map key names.
+
+Errors name the file: FileNotFoundError for a missing one, ValueError (``CheckpointError``) for one
+that is there but unreadable: invalid JSON, an index without ``weight_map``, a truncated or empty
+safetensors file, a pickle that is not a plain tensor dict. A rejected pickle is never answered with
+torch's advice to retry with ``weights_only=False``: that would run the file's code.
 """
 
 from __future__ import annotations
@@ -26,16 +31,45 @@ PT_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file exists but cannot be used; the message names the file."""
+
+
+def _read_json_object(file: str, what: str) -> dict:
+    """The JSON object in ``file``; CheckpointError naming the file when it is not one."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{what} {file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} {file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """Read ``config.json`` from checkpoint directory ``path``.
 
-    Raises FileNotFoundError naming the missing file.
+    Raises FileNotFoundError naming the missing file; CheckpointError (a ValueError) naming the file
+    when it is not a JSON object.
     """
     cfg_path = os.path.join(os.fspath(path), CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"checkpoint config not found: {cfg_path}")
-    with open(cfg_path) as f:
-        return json.load(f)
+    return _read_json_object(cfg_path, "checkpoint config")
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """``weight_map`` (tensor name -> shard file name) of a sharded index; CheckpointError naming the index."""
+    weight_map = _read_json_object(index_path, "checkpoint index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"checkpoint index {index_path} has no 'weight_map' (a non-empty object mapping "
+                              "tensor names to shard files)")
+    bad = [v for v in weight_map.values() if not isinstance(v, str) or os.path.basename(v) != v]
+    if bad:
+        raise CheckpointError(f"checkpoint index {index_path}: 'weight_map' values must be shard file names in the "
+                              f"same directory, got {bad[0]!r}")
+    return weight_map
 
 
 def _weight_files(path: str) -> tuple[str, list[str]]:
@@ -46,8 +80,7 @@ def _weight_files(path: str) -> tuple[str, list[str]]:
     for name, fmt in ((SAFETENSORS_INDEX_NAME, "safetensors"), (PT_INDEX_NAME, "pt")):
         index_path = os.path.join(path, name)
         if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _read_weight_map(index_path)
             files = [os.path.join(path, shard) for shard in sorted(set(weight_map.values()))]
             for shard in files:
                 if not os.path.isfile(shard):
@@ -62,7 +95,8 @@ def _weight_files(path: str) -> tuple[str, list[str]]:
 def load_state_dict(path: str | os.PathLike, *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """Load every tensor of the checkpoint directory ``path`` into one dict (original key names and dtypes).
 
-    Raises FileNotFoundError naming ``path`` (or the missing shard) when no weights are there.
+    Raises FileNotFoundError naming ``path`` (or the missing shard) when no weights are there, and
+    CheckpointError (a ValueError) naming the file that is unreadable (module docstring).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -71,33 +105,65 @@ def load_state_dict(path: str | os.PathLike, *, device: torch.device | str | Non
     map_location = torch.device(device) if device is not None else torch.device("cpu")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        if fmt == "safetensors":
-            from safetensors.torch import load_file  # optional dependency; imported on use
-
-            # safetensors cannot load straight onto "meta" etc.; cpu then .to() keeps it simple
-            part = load_file(file, device="cpu")
-        else:
-            part = torch.load(file, map_location="cpu", weights_only=True)
-        state.update(part)
+        state.update(_load_safetensors(file) if fmt == "safetensors" else _load_pickle(file))
     if map_location.type != "cpu":
         state = {k: v.to(map_location) for k, v in state.items()}
     return state
 
 
+def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on CPU; CheckpointError naming a truncated, empty or corrupt file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file  # optional dependency; imported on use
+
+    try:
+        # safetensors cannot load straight onto "meta" etc.; cpu then .to() keeps it simple
+        return load_file(file, device="cpu")
+    except SafetensorError as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file (truncated, empty or corrupt: {e})") from None
+
+
+def _load_pickle(file: str) -> dict[str, torch.Tensor]:
+    """The tensor dict of one ``pytorch_model.bin``, read with ``weights_only=True``.
+
+    CheckpointError naming the file when it is corrupt or holds anything but tensors. torch's own
+    message is not passed on (not even as ``__cause__``): it advises ``weights_only=False``, which
+    would run code from the file.
+    """
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:   # UnpicklingError, RuntimeError (bad zip), EOFError, ...: all mean "unusable"
+        kind = type(e).__name__
+        raise CheckpointError(f"{file} is not a readable PyTorch weights file ({kind}): it is corrupt, truncated, or "
+                              "holds objects other than tensors, which safespec does not load. Convert a "
+                              "trusted checkpoint to safetensors (model.safetensors).") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{file} must hold a dict of tensors, got {type(state).__name__}")
+    return state
+
+
 def read_key_names(path: str | os.PathLike) -> set[str]:
-    """Return the tensor names stored in checkpoint directory ``path`` without loading safetensors data."""
+    """Return the tensor names stored in checkpoint directory ``path`` without loading safetensors data.
+
+    Raises as ``load_state_dict`` does (a truncated safetensors file fails here already: its header
+    must cover the whole file).
+    """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path}")
     fmt, files = _weight_files(path)
     if fmt == "pt":
         return set(load_state_dict(path).keys())
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     names: set[str] = set()
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            names.update(f.keys())
+        try:
+            with safe_open(file, framework="pt") as f:
+                names.update(f.keys())
+        except SafetensorError as e:
+            raise CheckpointError(f"{file} is not a readable safetensors file (truncated, empty or corrupt: "
+                                  f"{e})") from None
     return names
 
 

@@ -7,28 +7,70 @@ root
     target logits predict the first new token.
 pool
     Every candidate the drafter scored while expanding: ``topk`` at depth 1, then ``topk**2``
-    per further step. Each candidate carries its cumulative draft log-probability.
+    per further depth. Each candidate carries its cumulative draft log-probability (its score).
 frontier
-    The ``topk`` pool candidates with the best cumulative score at the newest depth; only they
-    are expanded (EAGLE-2's dynamic tree).
+    The ``topk`` candidates of the newest depth that are fed to the drafter next; only they get
+    children.
 spec rows
-    The frontier nodes that were fed to the drafter, in the order they were fed. The drafter
-    re-runs all spec rows at every step (tree attention by an explicit mask); its cache only
-    ever commits tokens the target accepted, so nothing speculative survives a step.
-
-The drafter protocol is a callable ``(tokens [B,T], hidden [B,T,H] | None, cache, position_ids,
-tree_mask, input_lens, rows) -> (logits [B,R,Vd] of the requested rows, hidden [B,T,H] | None)``
-plus ``to_target_ids``; see ``pipeline._Drafter``.
+    The frontier nodes already fed to the drafter during this step, in feeding order. Their K/V
+    stay in the drafter's cache after its committed rows for the rest of the step, and each depth
+    appends only its new frontier (tree attention by an explicit mask). Nothing speculative is
+    committed: the next catch-up overwrites those rows.
+greedy drafts
+    Children are the drafter's top-k; the final tree keeps the best ``num_draft_tokens - 1`` pool
+    candidates by score (EAGLE-2). Verified with the deterministic-draft rule.
+sampled drafts
+    For a request with temperature > 0, a node's children are drawn from q, the drafter's
+    distribution at that request's temperature (and its top-k/top-p), without replacement, in
+    draw order. Which children are kept is decided before they are drawn (see
+    ``sampled_depth_budget``), so each node keeps a prefix of its draws whose length does not
+    depend on their values: that is what keeps recursive rejection sampling exact. q travels with
+    the tree as ``DraftTree.draft_probs``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
+from torch import Tensor
 
 from numerics import sanitize_nan_logits
+from samplers import logits_to_probs, sample_without_replacement
 
 NO_PARENT = -1
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the pipeline needs from a drafter: an EAGLE head, an EAGLE-3 head or a plain draft LM.
+
+    Shape conventions: B requests, T new tokens, H hidden size, Vd draft vocabulary, V target vocabulary.
+    """
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose residual streams ``features`` needs (ascending; () if none)."""
+
+    def features(self, target_out) -> Tensor | None:
+        """The target features this drafter consumes from a target ``ModelOutput``: [B, T, H] or None."""
+
+    def draft_forward(self, tokens: Tensor, features: Tensor | None, cache, *, position_ids=None,
+                      tree_mask=None, input_lens=None, kv_len=None) -> tuple[Tensor, Tensor | None]:
+        """One forward without logits: (hidden [B, T, H] for ``compute_logits``, features to feed the
+        next depth [B, T, H] or None). Same cache semantics as ``Transformer.forward``."""
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[..., H] -> [..., Vd]."""
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (same shape)."""
+
+    def to_target_probs(self, probs: Tensor) -> Tensor:
+        """[..., Vd] -> [..., V], zeros outside the draft vocabulary."""
+
+    def new_cache(self, batch_size: int, max_len: int):
+        """An empty ``KVCache`` for this drafter."""
 
 
 @dataclass
@@ -36,21 +78,39 @@ class DraftTree:
     """A batch of verify trees, root included.
 
     Shape:
-        tokens      [B, N] int64 target-vocab ids (node 0 is the root)
-        parents     [B, N] int64 (parents[:, 0] == -1)
-        depth       [B, N] int64 (root 0)
-        tree_mask   [B, N, N] bool, tree_mask[b, i, j] = j is i or an ancestor of i
+        tokens       [B, N] int64 target-vocab ids (node 0 is the root)
+        parents      [B, N] int64 (parents[:, 0] == -1; -1 elsewhere marks a padding node)
+        depth        [B, N] int64 (root 0)
+        tree_mask    [B, N, N] bool, tree_mask[b, i, j] = j is i or an ancestor of i
+        draft_probs  [B, N, V] float32 or None: q at node i, the distribution node i's children were
+                     drawn from (sampled rows; zeros where a node has no sampled children)
     ``max_depth`` is a host int: the deepest node any tree can have (num_steps).
     """
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depth: torch.Tensor
-    tree_mask: torch.Tensor
+    tokens: Tensor
+    parents: Tensor
+    depth: Tensor
+    tree_mask: Tensor
     max_depth: int
+    draft_probs: Tensor | None = None
 
 
-def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+@dataclass
+class DraftSampling:
+    """How each row drafts: which rows sample their children, and q's parameters.
+
+    Shape: sampled [B] bool; temperature [B] float32 (> 0 on sampled rows); top_k [B] int64 or None;
+    top_p [B] float32 or None. ``generator``: None, a Generator, or one Generator per row.
+    """
+
+    sampled: Tensor
+    temperature: Tensor
+    top_k: Tensor | None
+    top_p: Tensor | None
+    generator: torch.Generator | Sequence[torch.Generator] | None
+
+
+def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
     """Self-or-ancestor relation of a parent-pointer forest.
 
     Shape: parents [B, N] (-1 for roots) -> [B, N, N] bool.
@@ -68,114 +128,243 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
-@dataclass
-class _Pool:
-    """Scored candidates, in creation order (so a parent always precedes its children)."""
+def sampled_depth_budget(num_steps: int, topk: int, num_draft_tokens: int) -> list[int]:
+    """Nodes kept per depth in a sampled-draft tree (host ints, depth 1 first).
 
-    scores: list[torch.Tensor]   # each [B, n_j] float32 cumulative log-prob
-    tokens: list[torch.Tensor]   # each [B, n_j] int64 target ids
-    parents: list[torch.Tensor]  # each [B, n_j] int64 pool index, -1 = root
-    depth: list[int]             # depth of each chunk
+    One node per depth down to ``num_steps`` (a chain), then the remaining budget goes to the
+    shallowest depths, at most ``topk`` per depth (the drafter is fed at most ``topk`` rows per
+    depth) and at most ``topk`` children per node. Returns fewer than ``num_draft_tokens - 1``
+    nodes in total only when the shape cannot hold them; the rest of the tree is padding.
+    """
+    budget = num_draft_tokens - 1
+    per_depth = [1 if d < budget else 0 for d in range(num_steps)]
+    extra = budget - sum(per_depth)
+    for d in range(num_steps):
+        room = min(topk, topk * (per_depth[d - 1] if d else 1)) - per_depth[d]
+        add = max(0, min(room, extra))
+        per_depth[d] += add
+        extra -= add
+    return per_depth
+
+
+class _Pool:
+    """Scored candidates in creation order (a parent always precedes its children).
+
+    ``anc`` [B, P, P] bool is filled depth by depth: anc[b, i, j] = pool entry j is i or an ancestor
+    of i. It gives both the drafter's mask over the spec rows and the final verify tree mask.
+    """
+
+    def __init__(self, batch: int, capacity: int, device):
+        self.scores: list[Tensor] = []     # each [B, n] float32 cumulative log-prob
+        self.tokens: list[Tensor] = []     # each [B, n] int64 target ids
+        self.parents: list[Tensor] = []    # each [B, n] int64 pool index, -1 = root
+        self.kept: list[Tensor] = []       # each [B, n] bool: chosen for a sampled row's tree
+        self.depth: list[int] = []
+        self.size = 0
+        self.anc = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
+
+    def add(self, scores, tokens, parents, kept, depth: int) -> int:
+        """Append one depth's candidates; returns the pool index of the first one."""
+        base, n = self.size, tokens.shape[1]
+        B = tokens.shape[0]
+        rows = torch.arange(base, base + n, device=tokens.device)
+        if depth > 1:
+            self.anc[:, base:base + n] = self.anc.gather(1, parents[:, :, None].expand(B, n, self.anc.shape[2]))
+        self.anc[:, rows, rows] = True
+        self.scores.append(scores)
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.kept.append(kept)
+        self.depth.append(depth)
+        self.size += n
+        return base
 
     def cat(self):
         depth = torch.cat([torch.full_like(t, d) for t, d in zip(self.tokens, self.depth)], dim=1)
-        return torch.cat(self.scores, 1), torch.cat(self.tokens, 1), torch.cat(self.parents, 1), depth
+        return (torch.cat(self.scores, 1), torch.cat(self.tokens, 1), torch.cat(self.parents, 1),
+                torch.cat(self.kept, 1), depth)
 
 
-def _topk_logprobs(logits: torch.Tensor, k: int):
-    """Top-k of log_softmax in float32; NaN-safe because the logits are sanitized first."""
+def _greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k of log_softmax in float32; NaN-safe because the logits are sanitized first.
+
+    Shape: logits [..., Vd] -> (log-probs [..., k], draft ids [..., k]).
+    """
     # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
     logits = sanitize_nan_logits(logits.float(), warn=False)
-    lp = torch.log_softmax(logits, dim=-1)
-    return torch.topk(lp, k, dim=-1)
+    return torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
 
 
-def draft_tree(drafter, cache, root: torch.Tensor, first_logits: torch.Tensor,
-               first_hidden: torch.Tensor | None, *, num_steps: int, topk: int,
-               num_draft_tokens: int) -> DraftTree:
+def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
+    """q: the drafter's distribution at each row's temperature/top-k/top-p. [B, F, Vd] -> [B, F, Vd]."""
+    B, F, Vd = logits.shape
+    rep = lambda t: None if t is None else t.repeat_interleave(F)
+    q = logits_to_probs(logits.reshape(B * F, Vd), temperature=rep(sampling.temperature),
+                        top_k=rep(sampling.top_k), top_p=rep(sampling.top_p), nan_policy="sanitize")
+    return q.view(B, F, Vd)
+
+
+class _Expansion:
+    """Children of one batch of frontier nodes, greedy or sampled per row.
+
+    Shape: logits [B, F, Vd] -> lp [B, F, k] (cumulative-score increments), ids [B, F, k] draft ids,
+    q [B, F, Vd] or None, prio_step [B, F, k] (log of q's k largest values: the expected-score
+    increments that decide a sampled row's kept children before they are drawn).
+    """
+
+    def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None):
+        self.lp, self.ids = _greedy_children(logits, k)
+        self.q = None
+        self.prio_step = self.lp
+        if sampling is not None:
+            q = _draft_q(logits, sampling)
+            drawn = sample_without_replacement(q, k, sampling.generator)                # [B, F, k]
+            row = sampling.sampled[:, None, None]
+            q_lp = torch.log(q.gather(-1, drawn)).clamp(min=-1e30)   # a q = 0 draw stays rankable
+            self.lp = torch.where(row, q_lp, self.lp)
+            self.ids = torch.where(row, drawn, self.ids)
+            top_q = torch.topk(q, k, dim=-1).values
+            self.prio_step = torch.where(row, torch.log(top_q).clamp(min=-1e30), self.lp)
+            self.q = q
+
+
+def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
+    """The ``count`` best slots per row by priority, ties to the lower index. [B, S] -> [B, S] bool.
+
+    Priorities within one node's slots are non-increasing, so each node keeps a prefix of its draws.
+    """
+    order = torch.sort(prio, dim=1, descending=True, stable=True).indices[:, :count]
+    return torch.zeros_like(prio, dtype=torch.bool).scatter_(1, order, True)
+
+
+def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
+               num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
+               sampling: DraftSampling | None = None) -> DraftTree:
     """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
 
     Shape:
         root          [B] int64, the verify tree's node 0
         first_logits  [B, Vd] drafter logits predicting the token after the root
         first_hidden  [B, H] drafter feature of that prediction (None for a plain draft LM)
-    Returns a DraftTree with N = num_draft_tokens nodes (root included); trees are always full
-    because the pool holds at least ``num_draft_tokens - 1`` candidates (checked at construction).
+    ``kv_len``: host int, the longest committed drafter cache row count in the batch (None: attend
+    over the whole cache). ``sampling``: None drafts greedily for every row; otherwise rows with
+    ``sampling.sampled`` draw their children from q and the tree carries ``draft_probs``.
+    Returns a DraftTree with N = num_draft_tokens nodes (root included); greedy trees are always
+    full (the pool holds at least ``num_draft_tokens - 1`` candidates, checked at construction);
+    sampled trees keep ``sum(sampled_depth_budget(...))`` nodes and pad the rest.
+    Drafter calls: ``num_steps - 1``, each over the newest ``topk`` frontier rows only.
     NaN: drafter logits are sanitized before ranking, so a NaN draft never yields a bad id.
     """
-    B = root.shape[0]
-    device = root.device
-    k = topk
-    lp, ids = _topk_logprobs(first_logits, k)                      # [B, k]
-    pool = _Pool([lp], [drafter.to_target_ids(ids)], [torch.full_like(ids, NO_PARENT)], [1])
-    frontier_pool = torch.arange(k, device=device).expand(B, k)     # pool idx of frontier
-    frontier_score = lp
-    frontier_tokens = pool.tokens[0]
+    B, k, device = root.shape[0], topk, root.device
+    budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
+    pool = _Pool(B, k + (num_steps - 1) * k * k, device)
+    exp = _Expansion(first_logits[:, None], k, sampling)
+    kept = _keep_prefixes(exp.prio_step[:, 0], budget[0]) if budget else torch.zeros_like(exp.ids[:, 0], dtype=torch.bool)
+    score = exp.lp[:, 0]
+    pool.add(score, drafter.to_target_ids(exp.ids[:, 0]), torch.full_like(exp.ids[:, 0], NO_PARENT), kept, 1)
+    node_q = [(torch.zeros(B, 1, dtype=torch.long, device=device), exp.q)]   # (tree node or pool idx, q)
+    frontier_pool = _pick_frontier(score, kept, sampling, k)                    # [B, k] pool indices
     frontier_hidden = None if first_hidden is None else first_hidden[:, None, :].expand(B, k, -1)
-
-    spec_tokens, spec_hidden, spec_parent = [], [], []              # one [B, k] chunk per step
+    spec_pool = frontier_pool.new_zeros(B, 0)                                   # pool idx of each spec row
+    tokens_all = pool.tokens[0]
     for step in range(1, num_steps):
-        base = len(spec_tokens) * k                                 # first row of this frontier
-        if step == 1:
-            parent_rows = torch.full((B, k), NO_PARENT, device=device, dtype=torch.long)
-        else:
-            parent_rows = frontier_parent_row
-        spec_tokens.append(frontier_tokens)
-        spec_parent.append(parent_rows)
-        if frontier_hidden is not None:
-            spec_hidden.append(frontier_hidden)
-
-        tokens = torch.cat(spec_tokens, 1)                          # [B, R]
-        parents = torch.cat(spec_parent, 1)
-        R = tokens.shape[1]
-        # A depth-d node sits d-1 places after the drafter's committed tokens.
-        offset = torch.arange(step, device=device).repeat_interleave(k).expand(B, R)
-        mask = ancestor_mask(parents, step)
-        hidden = torch.cat(spec_hidden, 1) if spec_hidden else None
-        logits, out_hidden = drafter(tokens, hidden, cache, cache.lengths[:, None] + offset, mask, None,
-                                     slice(base, base + k))
-
-        lp, ids = _topk_logprobs(logits, k)                         # [B, k(frontier), k(child)]
-        cand_score = (frontier_score[:, :, None] + lp).reshape(B, k * k)
-        cand_tokens = drafter.to_target_ids(ids).reshape(B, k * k)
+        spec_pool = torch.cat([spec_pool, frontier_pool], 1)                    # [B, S]
+        S = spec_pool.shape[1]
+        anc_rows = pool.anc.gather(1, frontier_pool[:, :, None].expand(B, k, pool.anc.shape[2]))
+        mask = anc_rows.gather(2, spec_pool[:, None, :].expand(B, k, S))         # [B, k, S]
+        tokens = tokens_all.gather(1, frontier_pool)
+        position_ids = cache.lengths[:, None] + (step - 1)                      # a depth-d node sits d-1 after
+        hidden, feedback = drafter.draft_forward(
+            tokens, frontier_hidden, cache, position_ids=position_ids.expand(B, k), tree_mask=mask,
+            kv_len=None if kv_len is None else kv_len + S)
+        exp = _Expansion(drafter.compute_logits(hidden), k, sampling)           # [B, k, k]
+        node_q.append((frontier_pool, exp.q))
+        parent_score = torch.cat(pool.scores, 1).gather(1, frontier_pool)                # [B, k]
+        cand_score = (parent_score[:, :, None] + exp.lp).reshape(B, k * k)
         cand_parent = frontier_pool[:, :, None].expand(B, k, k).reshape(B, k * k)
-        pool_base = sum(t.shape[1] for t in pool.tokens)
-        pool.scores.append(cand_score)
-        pool.tokens.append(cand_tokens)
-        pool.parents.append(cand_parent)
-        pool.depth.append(step + 1)
-
+        if budget is not None:
+            parent_kept = torch.cat(pool.kept, 1).gather(1, frontier_pool)       # [B, k]
+            # clamp: a kept parent's slots must outrank every slot of a parent that is not kept
+            prio = (parent_score[:, :, None] + exp.prio_step).clamp(min=-1e30)
+            prio = prio.masked_fill(~parent_kept[:, :, None], float("-inf"))
+            kept = _keep_prefixes(prio.reshape(B, k * k), budget[step]) if budget[step] else \
+                torch.zeros(B, k * k, dtype=torch.bool, device=device)
+        else:
+            kept = torch.zeros(B, k * k, dtype=torch.bool, device=device)
+        base = pool.add(cand_score, drafter.to_target_ids(exp.ids.reshape(B, k * k)), cand_parent, kept, step + 1)
+        tokens_all = torch.cat([tokens_all, pool.tokens[-1]], 1)
         if step + 1 < num_steps:
-            frontier_score, pick = torch.topk(cand_score, k, dim=-1)
-            frontier_pool = pool_base + pick
-            frontier_tokens = torch.gather(cand_tokens, 1, pick)
-            frontier_parent_row = base + torch.div(pick, k, rounding_mode="floor")
-            if out_hidden is not None:
-                frontier_hidden = torch.gather(
-                    out_hidden, 1, frontier_parent_row[:, :, None].expand(B, k, out_hidden.shape[-1]))
-    return _select_tree(root, pool, num_draft_tokens, num_steps)
+            pick = _pick_frontier(cand_score, kept, sampling, k)               # [B, k] within this depth
+            frontier_pool = base + pick
+            if feedback is not None:
+                src = torch.div(pick, k, rounding_mode="floor")                 # the frontier row it came from
+                frontier_hidden = feedback.gather(1, src[:, :, None].expand(B, k, feedback.shape[-1]))
+    return _select_tree(root, pool, num_draft_tokens, num_steps, sampling, node_q, drafter)
 
 
-def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int) -> DraftTree:
-    """Keep the best ``num_draft_tokens - 1`` pool candidates and lay them out as a tree.
+def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, k: int) -> Tensor:
+    """Greedy rows: the k best candidates by score. Sampled rows: the kept ones first (then padding).
 
-    A stable descending sort breaks score ties by pool order, and a child's cumulative score
-    never exceeds its parent's, so every kept node's parent is kept too.
+    Shape: score, kept [B, n] -> [B, k] indices into the n candidates.
     """
-    scores, tokens, parents, depth = pool.cat()
+    if sampling is not None:
+        key = torch.where(kept, score, float("-inf"))
+        score = torch.where(sampling.sampled[:, None], key, score)
+    return torch.topk(score, k, dim=-1).indices
+
+
+def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampling, node_q, drafter) -> DraftTree:
+    """Lay the chosen pool candidates out as a tree.
+
+    Greedy rows keep the best ``num_draft_tokens - 1`` by score: a stable descending sort breaks ties
+    by pool order, and a child's score never exceeds its parent's, so every kept node's parent is
+    kept too. Sampled rows keep exactly their ``kept`` candidates; unused places become padding.
+    """
+    scores, tokens, parents, kept_flag, depth = pool.cat()
     B, P = scores.shape
     keep = num_draft_tokens - 1
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :keep]
-    kept = torch.sort(order, dim=1).values                          # parents before children
-    node_of_pool = torch.full((B, P), 0, dtype=torch.long, device=scores.device)
-    node_of_pool.scatter_(1, kept, torch.arange(1, keep + 1, device=scores.device).expand(B, keep))
-    pool_parent = torch.gather(parents, 1, kept)
-    node_parent = torch.where(pool_parent >= 0,
-                              torch.gather(node_of_pool, 1, pool_parent.clamp(min=0)),
+    device = scores.device
+    key = scores
+    if sampling is not None:
+        key = torch.where(sampling.sampled[:, None], torch.where(kept_flag, 0.0, float("-inf")), scores)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :keep]
+    chosen = torch.sort(order, dim=1).values                                    # parents before children
+    real = torch.ones_like(chosen, dtype=torch.bool)
+    if sampling is not None:
+        real = ~sampling.sampled[:, None] | kept_flag.gather(1, chosen)
+    node_of_pool = torch.full((B, P), NO_PARENT, dtype=torch.long, device=device)
+    node_of_pool.scatter_(1, chosen, torch.arange(1, keep + 1, device=device).expand(B, keep))
+    pool_parent = parents.gather(1, chosen)
+    node_parent = torch.where(pool_parent >= 0, node_of_pool.gather(1, pool_parent.clamp(min=0)),
                               torch.zeros_like(pool_parent))
-    minus_one = torch.full((B, 1), NO_PARENT, dtype=torch.long, device=scores.device)
+    node_parent = torch.where(real, node_parent, NO_PARENT)
+    minus_one = torch.full((B, 1), NO_PARENT, dtype=torch.long, device=device)
     all_parents = torch.cat([minus_one, node_parent], 1)
-    all_tokens = torch.cat([root[:, None], torch.gather(tokens, 1, kept)], 1)
-    all_depth = torch.cat([torch.zeros_like(minus_one), torch.gather(depth, 1, kept)], 1)
-    return DraftTree(all_tokens, all_parents, all_depth, ancestor_mask(all_parents, num_steps),
-                     max_depth=num_steps)
+    all_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
+    all_depth = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
+    # The verify mask from the pool's ancestor sets: rows and columns of the chosen entries, plus the root.
+    anc = pool.anc[:, :P, :P].gather(1, chosen[:, :, None].expand(B, keep, P)).gather(
+        2, chosen[:, None, :].expand(B, keep, keep))
+    anc = anc & real[:, :, None] & real[:, None, :]
+    anc = anc | torch.eye(keep, dtype=torch.bool, device=device)
+    mask = torch.zeros(B, keep + 1, keep + 1, dtype=torch.bool, device=device)
+    mask[:, :, 0] = True
+    mask[:, 1:, 0] = real
+    mask[:, 1:, 1:] = anc
+    draft_probs = None
+    if sampling is not None:
+        draft_probs = _node_probs(node_q, node_of_pool, keep + 1, drafter)
+    return DraftTree(all_tokens, all_parents, all_depth, mask, max_depth=num_steps, draft_probs=draft_probs)
+
+
+def _node_probs(node_q, node_of_pool: Tensor, n: int, drafter) -> Tensor:
+    """Scatter each expanded node's q into its tree place. Returns [B, N, V] float32 (target vocabulary)."""
+    root_idx, root_q = node_q[0]
+    B, _, Vd = root_q.shape
+    out = root_q.new_zeros(B, n + 1, Vd)                     # place n collects nodes not in the tree
+    out[:, :1] = root_q
+    for pool_idx, q in node_q[1:]:
+        place = node_of_pool.gather(1, pool_idx)
+        place = torch.where(place >= 0, place, n)
+        out.scatter_(1, place[:, :, None].expand(-1, -1, Vd), q)
+    return drafter.to_target_probs(out[:, :n])

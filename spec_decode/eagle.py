@@ -24,7 +24,8 @@ EAGLE-1/2 (``EagleHead``, layout "eagle"; SafeAILab/EAGLE ``cnets1.py``, SGLang 
 
 EAGLE-3 (``Eagle3Head``, layout "eagle3"; SafeAILab/EAGLE ``cnets.py``, SGLang ``llama_eagle3.py``)
     first step: feature = ``head.fuse(aux_hidden)`` = ``fc(cat[a_0, a_1, a_2])`` where ``a_i`` is the target
-    residual stream after decoder layer ``head.aux_layers[i]``; later steps feed ``out.hidden`` back.
+    residual stream after decoder layer ``head.aux_layers[i]``, joined in ascending layer order whatever the
+    order of the config's ids (as SGLang and the reference code); later steps feed ``out.hidden`` back.
     midlayer: ``residual = feature``; ``h = cat[input_layernorm(embed(ids)), hidden_norm(feature)]`` (2H)
     -> attention (q/k/v take 2H) + residual -> post_attention_layernorm -> MLP + residual -> ``out.hidden``;
     ``logits = lm_head(norm(out.hidden))`` over the draft vocabulary ``Vd``; draft id ``d`` is target id
@@ -33,7 +34,8 @@ EAGLE-3 (``Eagle3Head``, layout "eagle3"; SafeAILab/EAGLE ``cnets.py``, SGLang `
     ====================================================  ===============
     key                                                   shape
     ====================================================  ===============
-    fc.weight                                             [H, 3H]
+    fc.weight                                             [H, 3 Ht] (Ht = target_hidden_size)
+    fc.bias                                               [H] (only with ``"bias": true``)
     midlayer.hidden_norm.weight                           [H]
     midlayer.input_layernorm.weight                       [H]
     midlayer.post_attention_layernorm.weight              [H]
@@ -44,15 +46,25 @@ EAGLE-3 (``Eagle3Head``, layout "eagle3"; SafeAILab/EAGLE ``cnets.py``, SGLang `
     lm_head.weight                                        [Vd, H]
     d2t                                                   [Vd] int64
     t2d                                                   [V] bool
-    embed_tokens.weight                                   [V, H] (optional; default: the target's)
+    embed_tokens.weight                                   [V, H] (optional when H = Ht; default: the target's)
     ====================================================  ===============
 
-    config.json: HF Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size`` (default V) and
-    ``eagle_config.eagle_aux_hidden_state_layer_ids`` (default ``(1, L//2 - 1, L - 4)`` for a target of L
-    layers, as SGLang, clamped into ``[0, L-1]``).
+    config.json: HF Llama config with ``num_hidden_layers: 1``, ``draft_vocab_size`` (default V),
+    ``target_hidden_size`` (default H; a head narrower or wider than its target needs its own
+    ``embed_tokens.weight``), ``bias`` (fc bias, default false) and
+    ``eagle_config.eagle_aux_hidden_state_layer_ids``: three distinct layer ids in ``[0, L)`` for a target
+    of L layers, default ``(1, L//2 - 1, L - 4)`` as SGLang (distinct only for L >= 7; a shallower target
+    needs explicit ids).
+
+Both heads write ``"bias"`` (whether fc has a bias) to their config: the reference EAGLE loader reads it,
+defaulting to true, so a head saved without it would be rebuilt with a random bias.
 
 A leading ``model.`` on head keys is accepted and stripped. Heads save ``config.json`` + ``model.safetensors``
 and also load ``pytorch_model.bin``.
+
+Every drafter (``EagleHead``, ``Eagle3Head``, a plain draft LM ``model.Transformer``) implements the
+``drafting.Drafter`` protocol: ``aux_layers``, ``features``, ``draft_forward``, ``compute_logits``,
+``new_cache``, ``to_target_ids``, ``to_target_probs``. ``load_drafter`` is the one loader of all three.
 """
 
 from __future__ import annotations
@@ -70,18 +82,22 @@ from spec_decode.model import (
     Attention,
     DecoderLayer,
     KVCache,
+    LayerInputs,
     ModelConfig,
+    ModelOutput,
     RMSNorm,
+    RopeFrequencies,
     Transformer,
     assign_state,
     check_block_args,
     prepare_block,
-    rope_inv_freq,
     set_exact_nan,
 )
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+AUX_IDS_KEY = "eagle_aux_hidden_state_layer_ids"  # under config.json's "eagle_config"
+DRAFTER_LAYOUTS = ("eagle", "eagle3", "draft_model")  # the ``method`` names of SpecDecoder, too
 
 
 @dataclass
@@ -98,15 +114,30 @@ class DraftOutput:
 
 
 def default_eagle3_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """SGLang's default EAGLE-3 capture layers ``(1, L//2 - 1, L - 4)``, clamped into ``[0, L-1]``."""
-    ids = (1, num_layers // 2 - 1, num_layers - 4)
-    return tuple(min(max(i, 0), num_layers - 1) for i in ids)
+    """SGLang's default EAGLE-3 capture layers ``(1, L//2 - 1, L - 4)`` (distinct and in range for L >= 7)."""
+    return (1, num_layers // 2 - 1, num_layers - 4)
 
 
-def _check_sizes(config: ModelConfig, target: Transformer, hidden_size: int) -> None:
+def _check_aux_layer_ids(ids, num_layers: int, *, from_config: bool) -> tuple[int, int, int]:
+    """Validate EAGLE-3 aux layer ids; return them in ascending layer order (the order they are joined in)."""
+    where = f"eagle_config.{AUX_IDS_KEY}" if from_config else f"the default {AUX_IDS_KEY} (SGLang's)"
+    if (not isinstance(ids, (list, tuple)) or len(ids) != 3
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ValueError(f"{where} must be 3 integer layer ids, got {ids!r}")
+    if not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"{where} {list(ids)} must be 3 layer ids in [0, {num_layers}) for a target of "
+                         f"{num_layers} layers" + ("" if from_config else f"; set eagle_config.{AUX_IDS_KEY}"))
+    if len(set(ids)) != 3:
+        raise ValueError(f"{where} {list(ids)} repeats a layer: the head needs 3 distinct layers"
+                         + ("" if from_config else f" (the target has only {num_layers} layers); set "
+                            f"eagle_config.{AUX_IDS_KEY}"))
+    return tuple(sorted(ids))
+
+
+def _check_sizes(config: ModelConfig, target: Transformer, hidden_size: int, name: str = "hidden size") -> None:
     tc = target.config
     if hidden_size != tc.hidden_size:
-        raise ValueError(f"draft head hidden size {hidden_size} does not match the target's hidden size {tc.hidden_size}")
+        raise ValueError(f"draft head {name} {hidden_size} does not match the target's hidden size {tc.hidden_size}")
     if config.vocab_size != tc.vocab_size:
         raise ValueError(f"draft head vocab size {config.vocab_size} does not match the target's vocab size {tc.vocab_size}")
 
@@ -115,8 +146,18 @@ def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-class _DraftHead(nn.Module):
-    """Shared plumbing: target binding, rope, cache, checkpoint IO."""
+def _fc_bias(config: ModelConfig, fc_bias: bool | None, default: bool) -> bool:
+    """The fc bias flag: the argument, else config.json's ``"bias"``, else ``default``; recorded in the config."""
+    if fc_bias is None:
+        fc_bias = config.extra.get("bias", default)
+    if not isinstance(fc_bias, bool):
+        raise ValueError(f"config key 'bias' (fc bias) must be true or false, got {fc_bias!r}")
+    config.extra["bias"] = fc_bias
+    return fc_bias
+
+
+class _DraftHead(RopeFrequencies, nn.Module):
+    """Shared plumbing: target binding, rope, cache, checkpoint IO, the ``Drafter`` protocol."""
 
     layout: str = ""
     architecture: str = ""
@@ -127,7 +168,6 @@ class _DraftHead(nn.Module):
         else:
             # shared with the target: bypass Module registration so it is neither saved nor moved with the head
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
-        self._inv_freq: dict[torch.device, Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -136,12 +176,6 @@ class _DraftHead(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
-
-    def inv_freq(self) -> Tensor:
-        dev = self.device
-        if dev not in self._inv_freq:
-            self._inv_freq[dev] = rope_inv_freq(self.config, dev)
-        return self._inv_freq[dev]
 
     def num_cache_layers(self) -> int:
         return 1
@@ -152,10 +186,25 @@ class _DraftHead(nn.Module):
         return KVCache.empty(self.num_cache_layers(), batch_size, c.num_key_value_heads, max_len, c.head_dim,
                              dtype=dtype or self.dtype, device=self.device)
 
+    def draft_forward(self, tokens: Tensor, features: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
+                      tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
+                      kv_len: int | None = None) -> tuple[Tensor, Tensor]:
+        """One head forward without logits (``Drafter`` protocol); same cache semantics as ``forward``.
+
+        Shape: tokens [B, T]; features [B, T, H] (``features()`` of the target output, or the feedback of the
+        previous depth) -> (hidden [B, T, H] for ``compute_logits``, the same tensor as the next depth's features).
+        """
+        out = self(tokens, features, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
+                   kv_len=kv_len, return_logits=False)
+        return out.hidden, out.hidden
+
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
                          input_lens, kv_len, feature_dims: tuple[int, ...]):
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
         B, T = input_ids.shape
+        if not isinstance(hidden, Tensor):
+            raise ValueError(f"hidden (the features) must be a tensor [B={B}, T={T}, H in {feature_dims}], got "
+                             f"{type(hidden).__name__}")
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (B, T) or hidden.shape[2] not in feature_dims:
             raise ValueError(f"hidden must have shape [B={B}, T={T}, H in {feature_dims}], got {tuple(hidden.shape)}")
         if hidden.device != self.device:
@@ -164,7 +213,8 @@ class _DraftHead(nn.Module):
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
         emb = self.embed_tokens(input_ids).to(self.dtype)  # (B, T, H)
         blk = prepare_block(self.inv_freq(), cache, T, self.dtype, position_ids, tree_mask, input_lens, kv_len)
-        return emb, hidden.to(self.dtype), blk
+        c = self.config
+        return emb, hidden.to(self.dtype), LayerInputs.of_block(blk, c.num_attention_heads // c.num_key_value_heads)
 
     def to_hf_config(self) -> dict:
         cfg = self.config.to_hf_dict()
@@ -187,15 +237,17 @@ class _DraftHead(nn.Module):
         config = ModelConfig.from_pretrained(path)
         state = cls._complete_state(_strip_prefix(load_state_dict(path)), config)
         with torch.device("meta"):
-            head = cls(config, target, **cls._init_kwargs_from_keys(set(state)))
+            head = cls(config, target, **cls._init_kwargs_from_keys(set(state), config))
         device = device if device is not None else target.device
         assign_state(head, state, dtype=dtype or target.dtype, device=device, source=os.fspath(path))
         set_exact_nan(head, None, dtype or target.dtype)
         return head.eval()
 
     @classmethod
-    def _init_kwargs_from_keys(cls, keys: set[str]) -> dict:
-        return {"own_embedding": "embed_tokens.weight" in keys}
+    def _init_kwargs_from_keys(cls, keys: set[str], config: ModelConfig) -> dict:
+        # config.json's "bias" wins when present (assign_state then names a missing or unexpected fc.bias)
+        return {"own_embedding": "embed_tokens.weight" in keys,
+                "fc_bias": config.extra["bias"] if "bias" in config.extra else "fc.bias" in keys}
 
     @classmethod
     def _complete_state(cls, state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
@@ -209,12 +261,15 @@ class EagleHead(_DraftHead):
     architecture = EAGLE_ARCHITECTURE
     aux_layers: tuple[int, ...] = ()
 
-    def __init__(self, config: ModelConfig, target: Transformer, *, fc_bias: bool = True, own_embedding: bool = False):
+    def __init__(self, config: ModelConfig, target: Transformer, *, fc_bias: bool | None = None,
+                 own_embedding: bool = False):
         super().__init__()
+        config = dataclasses.replace(config, extra=dict(config.extra))  # records "bias" below
         _check_sizes(config, target, config.hidden_size)
         self.config = config
         H = config.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=fc_bias)
+        # default true: the reference EAGLE-1/2 loader's default when config.json has no "bias"
+        self.fc = nn.Linear(2 * H, H, bias=_fc_bias(config, fc_bias, default=True))
         self.layers = nn.ModuleList(DecoderLayer(config, input_norm=i != 0) for i in range(config.num_hidden_layers))
         self._bind_embedding(target, own_embedding)
         object.__setattr__(self, "lm_head", target.lm_head)  # shared, never saved
@@ -226,9 +281,9 @@ class EagleHead(_DraftHead):
     def num_cache_layers(self) -> int:
         return len(self.layers)
 
-    @classmethod
-    def _init_kwargs_from_keys(cls, keys: set[str]) -> dict:
-        return {"own_embedding": "embed_tokens.weight" in keys, "fc_bias": "fc.bias" in keys}
+    def features(self, target_out: ModelOutput) -> Tensor:
+        """The target's post-norm hidden states. Shape: [B, T, H]."""
+        return target_out.hidden
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
@@ -244,7 +299,7 @@ class EagleHead(_DraftHead):
                                                  kv_len, (self.config.hidden_size,))
         x = self.fc(torch.cat((emb, hidden), dim=-1))  # (B, T, H)
         for i, layer in enumerate(self.layers):
-            x = layer(x, blk.cos, blk.sin, cache, i, blk.write_pos, blk.mask)
+            x = layer(x, blk, cache, i)
         return DraftOutput(logits=self.compute_logits(x) if return_logits else None, hidden=x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -272,9 +327,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = MLP(config)
 
-    def forward(self, emb: Tensor, feature: Tensor, blk, cache: KVCache) -> Tensor:
+    def forward(self, emb: Tensor, feature: Tensor, blk: LayerInputs, cache: KVCache) -> Tensor:
         h = torch.cat((self.input_layernorm(emb), self.hidden_norm(feature)), dim=-1)  # (B, T, 2H)
-        x = feature + self.self_attn(h, blk.cos, blk.sin, cache, 0, blk.write_pos, blk.mask)
+        x = feature + self.self_attn(h, blk, cache, 0)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -285,26 +340,35 @@ class Eagle3Head(_DraftHead):
     architecture = EAGLE3_ARCHITECTURE
 
     def __init__(self, config: ModelConfig, target: Transformer, *, own_embedding: bool = False,
-                 draft_token_ids: Tensor | None = None):
+                 fc_bias: bool | None = None, draft_token_ids: Tensor | None = None):
         super().__init__()
         config = dataclasses.replace(config, extra=dict(config.extra))  # we fill in defaults below
         H, V = config.hidden_size, config.vocab_size
-        _check_sizes(config, target, int(config.extra.get("target_hidden_size") or H))
-        _check_sizes(config, target, H)
+        Ht = config.extra.get("target_hidden_size") or H
+        if not isinstance(Ht, int) or isinstance(Ht, bool) or Ht < 1:
+            raise ValueError(f"config key target_hidden_size must be a positive integer, got {Ht!r}")
+        if "target_hidden_size" in config.extra:
+            _check_sizes(config, target, Ht, "target_hidden_size")
+        else:
+            _check_sizes(config, target, H)
+        if H != Ht and not own_embedding:
+            raise ValueError(f"an EAGLE-3 head of hidden_size {H} != target_hidden_size {Ht} needs its own "
+                             f"embed_tokens.weight [V, {H}]: the target's embedding is {Ht} wide")
         self.config = config
+        self.target_hidden_size = Ht
         Vd = int(config.extra.get("draft_vocab_size") or V)
         if not 1 <= Vd <= V:
             raise ValueError(f"draft_vocab_size ({Vd}) must be in [1, vocab_size={V}]")
         L = target.config.num_hidden_layers
-        ids = (config.extra.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        self.aux_layers = tuple(int(i) for i in ids) if ids else default_eagle3_aux_layers(L)
-        if len(self.aux_layers) != 3 or not all(0 <= i < L for i in self.aux_layers):
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids {self.aux_layers} must be 3 layer ids in [0, {L})")
-        # keep the effective values in the config so that save_pretrained writes them
+        ids = (config.extra.get("eagle_config") or {}).get(AUX_IDS_KEY)
+        # joined in ascending layer order, whatever the config's order (SGLang, the reference code)
+        self.aux_layers: tuple[int, ...] = _check_aux_layer_ids(
+            ids if ids is not None else default_eagle3_aux_layers(L), L, from_config=ids is not None)
+        # keep the effective values in the config so that save_pretrained writes them (ids in the config's order)
         config.extra["draft_vocab_size"] = Vd
         config.extra["eagle_config"] = {**(config.extra.get("eagle_config") or {}),
-                                        "eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}
-        self.fc = nn.Linear(3 * H, H, bias=False)
+                                        AUX_IDS_KEY: list(ids if ids is not None else self.aux_layers)}
+        self.fc = nn.Linear(3 * Ht, H, bias=_fc_bias(config, fc_bias, default=False))
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
@@ -338,11 +402,21 @@ class Eagle3Head(_DraftHead):
     def fuse(self, aux_hidden: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
         """Fuse the target's 3 aux hidden states into the first-step feature.
 
-        Shape: 3 x [B, T, H] -> [B, T, H].
+        ``aux_hidden[i]`` is the residual stream after target layer ``self.aux_layers[i]`` (ascending), as
+        ``ModelOutput.aux_hidden`` of a target forward with ``aux_layers=self.aux_layers``.
+
+        Shape: 3 x [B, T, Ht] -> [B, T, H] (Ht = target_hidden_size).
         """
         if len(aux_hidden) != 3:
             raise ValueError(f"aux_hidden must hold 3 tensors (layers {self.aux_layers}), got {len(aux_hidden)}")
         return self.fc(torch.cat([a.to(self.dtype) for a in aux_hidden], dim=-1))
+
+    def features(self, target_out: ModelOutput) -> Tensor:
+        """The fused first-step feature of a target forward run with ``aux_layers=self.aux_layers``.
+
+        Shape: target_out.aux_hidden 3 x [B, T, Ht] -> [B, T, H].
+        """
+        return self.fuse(target_out.aux_hidden)
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
@@ -350,14 +424,14 @@ class Eagle3Head(_DraftHead):
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
-            input_ids: [B, T]; hidden: [B, T, H] (fused feature or fed-back ``out.hidden``; a [B, T, 3H]
-            concatenation of the aux states is fused here)
+            input_ids: [B, T]; hidden: [B, T, H] (fused feature or fed-back ``out.hidden``; a [B, T, 3 Ht]
+            concatenation of the aux states in ascending layer order is fused here, unless 3 Ht == H)
             returns DraftOutput(logits [B, T, Vd], hidden [B, T, H] before the final norm)
         """
-        H = self.config.hidden_size
+        H, Ht = self.config.hidden_size, self.target_hidden_size
         emb, feature, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                  kv_len, (H, 3 * H))
-        if feature.shape[-1] == 3 * H:
+                                                  kv_len, (H, 3 * Ht))
+        if feature.shape[-1] != H:
             feature = self.fc(feature)
         x = self.midlayer(emb, feature, blk, cache)
         return DraftOutput(logits=self.compute_logits(x) if return_logits else None, hidden=x)
@@ -380,25 +454,48 @@ class Eagle3Head(_DraftHead):
         return out.index_copy_(-1, target_ids, probs)
 
 
-def load_drafter(path: str | os.PathLike, target: Transformer, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> EagleHead | Eagle3Head | Transformer:
-    """Load a drafter for ``target``, detecting the layout from the checkpoint key names.
+def drafter_layout(path: str | os.PathLike) -> str:
+    """The drafter layout of a checkpoint directory, from its key names alone (no weights are read).
 
-    ``midlayer.*`` -> Eagle3Head; ``fc.weight`` -> EagleHead; ``(model.)embed_tokens.weight`` with
-    ``(model.)layers.*`` -> plain draft LM (Transformer; its vocab must equal the target's).
-    dtype/device default to the target's. Raises FileNotFoundError / ValueError naming the problem.
+    ``midlayer.*`` -> ``"eagle3"``; ``fc.weight`` -> ``"eagle"``; ``embed_tokens.weight`` with ``layers.*``
+    -> ``"draft_model"`` (a leading ``model.`` is ignored). Raises FileNotFoundError naming a missing
+    file, ValueError naming the directory when no layout matches.
     """
     keys = {k.removeprefix("model.") for k in read_key_names(path)}
     if any(k.startswith("midlayer.") for k in keys):
-        return Eagle3Head.from_pretrained(path, target, dtype=dtype, device=device)
+        return "eagle3"
     if "fc.weight" in keys:
-        return EagleHead.from_pretrained(path, target, dtype=dtype, device=device)
+        return "eagle"
     if "embed_tokens.weight" in keys and any(k.startswith("layers.") for k in keys):
-        draft = Transformer.from_pretrained(path, dtype=dtype or target.dtype,
-                                            device=device if device is not None else target.device)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"draft model vocab size {draft.config.vocab_size} does not match the target's "
-                             f"vocab size {target.config.vocab_size}")
-        return draft
+        return "draft_model"
     raise ValueError(f"cannot detect the drafter layout of {os.fspath(path)}: no midlayer.* (EAGLE-3), fc.weight "
                      f"(EAGLE-1/2) or embed_tokens.weight + layers.* (draft LM) among its keys")
+
+
+def load_drafter(path: str | os.PathLike, target: Transformer, *, method: str | None = None,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> EagleHead | Eagle3Head | Transformer:
+    """Load a drafter for ``target``: the one loader of EAGLE-1/2 heads, EAGLE-3 heads and plain draft LMs.
+
+    The layout comes from the checkpoint's key names (``drafter_layout``). ``method`` (``"eagle"``,
+    ``"eagle3"`` or ``"draft_model"``) states the layout the caller expects: a checkpoint of another layout
+    raises a ValueError naming both, instead of running at a fraction of the acceptance. None accepts any.
+    dtype/device default to the target's. A draft LM's vocabulary must be the target's.
+    Raises FileNotFoundError naming a missing file, ValueError naming the problem.
+    """
+    if method is not None and method not in DRAFTER_LAYOUTS:
+        raise ValueError(f"method must be one of {DRAFTER_LAYOUTS} (or None to detect it), got {method!r}")
+    layout = drafter_layout(path)
+    if method is not None and layout != method:
+        raise ValueError(f"method={method!r} does not match the drafter checkpoint {os.fspath(path)}: its layout is "
+                         f"{layout!r}; pass method={layout!r}")
+    if layout == "eagle3":
+        return Eagle3Head.from_pretrained(path, target, dtype=dtype, device=device)
+    if layout == "eagle":
+        return EagleHead.from_pretrained(path, target, dtype=dtype, device=device)
+    draft = Transformer.from_pretrained(path, dtype=dtype or target.dtype,
+                                        device=device if device is not None else target.device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft model vocab size {draft.config.vocab_size} does not match the target's "
+                         f"vocab size {target.config.vocab_size}")
+    return draft

@@ -9,8 +9,10 @@ new block
     committed: ``KVCache.commit`` later keeps the accepted ones (moving them if they were tree nodes
     off the first path) and advances ``lengths``.
 tree mask
-    ``tree_mask[b, t, t']`` is True when new token ``t`` may attend to new token ``t'`` (its ancestors and
-    itself). ``None`` means causal, i.e. a chain.
+    ``tree_mask[b, t, j]`` is True when new token ``t`` may attend to uncommitted row ``lengths[b] + j`` (its
+    ancestors and itself). Shape [B, T, S] with S >= T: the new block is written at the last T of the S
+    uncommitted rows, so a drafter can append one tree depth per call and attend to the rows it wrote
+    before (nothing is committed until ``KVCache.commit``). ``None`` means causal, i.e. a chain.
 
 Matches ``transformers``' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``: RMSNorm computed in float32 and cast
 back, rotary embedding with the ``rotate_half`` convention (cos/sin computed in float32, applied in the model
@@ -66,18 +68,45 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Fill the defaults and validate; a bad value raises ValueError naming its config.json key."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            _check_positive_int(name, getattr(self, name))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        _check_positive_int("num_key_value_heads", self.num_key_value_heads)
         if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                                 f"({self.num_attention_heads}) when head_dim is not given")
             self.head_dim = self.hidden_size // self.num_attention_heads
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: rotary embedding rotates pairs")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        self.rms_norm_eps = _check_positive_float("rms_norm_eps", self.rms_norm_eps)
+        self.rope_theta = _check_positive_float("rope_theta", self.rope_theta)
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be a dict or null, got {self.rope_scaling!r}")
         rope_type = _rope_type(self.rope_scaling)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; use one of {SUPPORTED_ROPE_TYPES}")
+        rs = self.rope_scaling or {}
+        if rope_type in ("linear", "llama3"):
+            _check_positive_float("rope_scaling.factor", rs.get("factor"))
+        if rope_type == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                _check_positive_float(f"rope_scaling.{key}", rs.get(key))
+            if not rs["low_freq_factor"] < rs["high_freq_factor"]:
+                raise ValueError(f"rope_scaling.low_freq_factor ({rs['low_freq_factor']}) must be below "
+                                 f"rope_scaling.high_freq_factor ({rs['high_freq_factor']})")
 
     @property
     def o_proj_bias(self) -> bool:
@@ -111,17 +140,22 @@ class ModelConfig:
         extra = {k: v for k, v in d.items() if k not in names and k not in _CONFIG_KEYS_WE_WRITE_OR_DROP}
         return cls(
             **kwargs,
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,  # validated (finite, > 0) and made a float in __post_init__
             rope_scaling=rope_scaling,
-            attention_bias=bool(attention_bias),
+            attention_bias=attention_bias,
             model_type=model_type,
             extra=extra,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read ``path/config.json``; FileNotFoundError naming the file when it is missing."""
-        return cls.from_hf_dict(read_config(path))
+        """Read ``path/config.json``; FileNotFoundError naming the file when it is missing, ValueError naming
+        the file and the key for a bad value (NaN ``rope_theta``, a non-positive size, ...)."""
+        d = read_config(path)
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as err:
+            raise ValueError(f"{os.path.join(os.fspath(path), 'config.json')}: {err}") from None
 
     def to_hf_dict(self) -> dict:
         """HF-compatible config dict (transformers v4 spelling, which v5 also reads)."""
@@ -134,6 +168,18 @@ class ModelConfig:
         if self.rope_scaling is None:
             d.pop("rope_scaling")
         return d
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_positive_float(name: str, value) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+    return float(value)
 
 
 _CONFIG_KEYS_WE_WRITE_OR_DROP = {
@@ -173,6 +219,25 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
         is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     return inv_freq
+
+
+class RopeFrequencies:
+    """Mixin for modules with ``config`` and ``device``: ``inv_freq()`` computed once per device.
+
+    The frequencies stay float32 and out of the state dict, so dtype casts and checkpoints never touch them.
+    """
+
+    def inv_freq(self) -> Tensor:
+        """float32 rotary inverse frequencies on ``self.device``. Shape: [head_dim // 2]."""
+        by_device = self.__dict__.setdefault("_inv_freq_by_device", {})
+        dev = self.device
+        if dev not in by_device:
+            by_device[dev] = rope_inv_freq(self.config, dev)
+        return by_device[dev]
+
+    def clear_inv_freq(self) -> None:
+        """Forget the computed frequencies (after changing the config's rope fields)."""
+        self.__dict__.pop("_inv_freq_by_device", None)
 
 
 def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -312,33 +377,38 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
                          input_lens: Tensor | None = None) -> Tensor:
     """Boolean attention mask for a new block of ``num_new`` tokens written after the committed rows.
 
-    Key ``s`` is visible to new token ``t`` of request ``b`` when ``s < lengths[b]`` (committed), or when
-    ``s = lengths[b] + t'`` with ``tree_mask[b, t, t']`` (causal if None) and ``t' < input_lens[b]``.
-    The token's own row is always visible, so no softmax row is empty (padded rows stay finite).
+    The uncommitted region of request ``b`` starts at ``lengths[b]`` and holds ``S`` rows
+    (``S = tree_mask.shape[-1]``, or ``num_new`` without a tree mask); the new block is its last
+    ``num_new`` rows, so the first ``S - num_new`` were written by earlier forwards (a drafter that
+    appends each depth of its tree). Key ``s`` is visible to new token ``t`` when ``s < lengths[b]``
+    (committed), or when ``s = lengths[b] + j`` with ``tree_mask[b, t, j]`` (causal if None) and, for
+    a key inside the new block, ``j - (S - num_new) < input_lens[b]``. The token's own row is always
+    visible, so no softmax row is empty (padded rows stay finite).
 
     Shape:
-        lengths: [B] int64; tree_mask: [B, T, T] bool or None; input_lens: [B] or None
+        lengths: [B] int64; tree_mask: [B, T, S] bool (S >= T) or None; input_lens: [B] or None
         returns: [B, 1, T, kv_len] bool
     """
     device = lengths.device
+    span = num_new if tree_mask is None else tree_mask.shape[-1]
+    past = span - num_new  # uncommitted rows written before this block
     pos = torch.arange(kv_len, device=device)
     t_idx = torch.arange(num_new, device=device)
-    rel = pos[None, :] - lengths[:, None]  # (B, S): offset of key s inside the new block
+    rel = pos[None, :] - lengths[:, None]  # (B, S): offset of key s inside the uncommitted region
     committed = rel < 0
-    in_block = (rel >= 0) & (rel < num_new)
+    in_span = (rel >= 0) & (rel < span)
     if tree_mask is None:
         block_vis = rel[:, None, :] <= t_idx[None, :, None]  # (B, T, S)
     else:
-        gather_idx = rel.clamp(0, num_new - 1)[:, None, :].expand(-1, num_new, -1)
+        gather_idx = rel.clamp(0, span - 1)[:, None, :].expand(-1, num_new, -1)
         block_vis = tree_mask.gather(2, gather_idx)  # (B, T, S)
     if input_lens is not None:
-        block_vis = block_vis & (rel < input_lens[:, None].to(rel.dtype))[:, None, :]
-    mask = committed[:, None, :] | (in_block[:, None, :] & block_vis)
-    mask = mask | (rel[:, None, :] == t_idx[None, :, None])
+        block_vis = block_vis & (rel - past < input_lens[:, None].to(rel.dtype))[:, None, :]
+    mask = committed[:, None, :] | (in_span[:, None, :] & block_vis)
+    mask = mask | (rel[:, None, :] == past + t_idx[None, :, None])
     return mask[:, None]
 
 
-# --------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama)."""
 
@@ -364,8 +434,61 @@ def _zero_nonfinite_rows(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, 
     return keys.masked_fill(bad, 0), values.masked_fill(bad, 0), finite
 
 
+def _keep_published_keys(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
+    """Checkpoints keep ``parts`` (published names and row counts) that ``module.<fused>`` holds concatenated.
+
+    ``state_dict()`` splits ``<fused>.weight``/``.bias`` into ``<part>.weight``/``.bias`` (copies, so that
+    safetensors can save them; views of the parameter with ``keep_vars=True``), and ``load_state_dict``
+    concatenates the parts back: one matmul at run time, the published layout on disk.
+    """
+    def split(mod, state, prefix, local_metadata) -> None:
+        for suffix in ("weight", "bias"):
+            t = state.pop(f"{prefix}{fused}.{suffix}", None)
+            if t is None:
+                continue
+            for name, rows in zip((n for n, _ in parts), t.split([r for _, r in parts])):
+                state[f"{prefix}{name}.{suffix}"] = rows if isinstance(t, nn.Parameter) else rows.clone()
+
+    def join(mod, state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys])
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
+@dataclass
+class LayerInputs:
+    """What every decoder layer of one forward reads, in the layers' layout; built once per forward.
+
+    Shape:
+        cos, sin: [B, T, 1, D] (heads after tokens, as the fused q/k/v projection lays them out)
+        write_pos: [B, T] int64
+        mask: [B, 1, n_rep * T, S] bool: the n_rep query heads that share a kv head folded into the query axis
+    """
+
+    cos: Tensor
+    sin: Tensor
+    write_pos: Tensor
+    mask: Tensor
+
+    @classmethod
+    def of_block(cls, blk: "BlockInputs", n_rep: int) -> "LayerInputs":
+        """Lay out ``blk`` for the layers: one transpose and one GQA mask expansion per forward, not per layer."""
+        mask = blk.mask
+        if n_rep > 1:
+            B, _, T, S = mask.shape
+            mask = mask[:, :, None].expand(B, 1, n_rep, T, S).reshape(B, 1, n_rep * T, S)
+        return cls(blk.cos.transpose(1, 2), blk.sin.transpose(1, 2), blk.write_pos, mask)
+
+
 class Attention(nn.Module):
     """GQA self-attention over the KV cache; ``in_dim`` differs from hidden_size only in EAGLE-3 (2H).
+
+    q/k/v are one linear, ``qkv_proj`` (fused at load time; checkpoints keep ``q_proj``/``k_proj``/``v_proj``),
+    and rope rotates q and k in one pass.
 
     ``exact_nan``: NaN/Inf in a K/V row reaches exactly the queries that may attend to it, as in
     exact arithmetic, instead of every query of the block (plain SDPA computes 0 * NaN = NaN for
@@ -380,26 +503,27 @@ class Attention(nn.Module):
         self.exact_nan = False
         in_dim = in_dim or config.hidden_size
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(in_dim, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_dim, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=config.o_proj_bias)
+        q_rows, kv_rows = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(in_dim, q_rows + 2 * kv_rows, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
+        _keep_published_keys(self, "qkv_proj", (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, write_pos: Tensor,
-                mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
+        """Attend the new block ``x`` [B, T, in_dim] over the cache; writes its K/V rows. Returns [B, T, H]."""
         B, T, _ = x.shape
-        D, n_rep = self.head_dim, self.n_heads // self.n_kv
-        q = self.q_proj(x).view(B, T, self.n_heads, D).transpose(1, 2)  # (B, nh, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)  # (B, nkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, write_pos, k, v)
+        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        n_rep = nh // nkv
+        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D)
+        qk = apply_rope(qkv[:, :, :nh + nkv], li.cos, li.sin)  # (B, T, nh + nkv, D)
+        q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, D)
+        k = qk[:, :, nh:].transpose(1, 2)  # (B, nkv, T, D)
+        v = qkv[:, :, nh + nkv:].transpose(1, 2)  # (B, nkv, T, D)
+        cache.write(layer, li.write_pos, k, v)
+        mask = li.mask  # (B, 1, n_rep*T, S)
         S = mask.shape[-1]
         keys, values = cache.k[layer][:, :, :S], cache.v[layer][:, :, :S]  # (B, nkv, S, D)
         # GQA without copying the cache: fold the n_rep query heads of each kv head into the query axis
-        q = q.reshape(B, self.n_kv, n_rep * T, D)
-        mask = mask[:, :, None].expand(B, 1, n_rep, T, S).reshape(B, 1, n_rep * T, S)
+        q = q.reshape(B, nkv, n_rep * T, D)
         if self.exact_nan:
             keys, values, finite = _zero_nonfinite_rows(keys, values)
         out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
@@ -408,21 +532,24 @@ class Attention(nn.Module):
             # masks it is not (SDPA alone would leak it: masked weight 0 * NaN = NaN).
             sees_bad = (mask & ~finite[:, :, None, :]).any(-1, keepdim=True)  # (B, nkv, n_rep*T, 1)
             out = out.masked_fill(sees_bad, float("nan"))
-        out = out.view(B, self.n_heads, T, D).transpose(1, 2).reshape(B, T, self.n_heads * D)
+        out = out.view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
         return self.o_proj(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one linear, ``gate_up_proj`` (fused at load time;
+    checkpoints keep ``gate_proj``/``up_proj``)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(H, 2 * I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+        _keep_published_keys(self, "gate_up_proj", (("gate_proj", I), ("up_proj", I)))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -435,10 +562,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache, layer: int, write_pos: Tensor,
-                mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        x = x + self.self_attn(h, cos, sin, cache, layer, write_pos, mask)
+        x = x + self.self_attn(h, li, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -467,21 +593,29 @@ def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | N
         raise ValueError(f"cache has batch size {cache.batch_size}, input_ids has {B}")
     if position_ids is not None and tuple(position_ids.shape) != (B, T):
         raise ValueError(f"position_ids must have shape {(B, T)}, got {tuple(position_ids.shape)}")
-    if tree_mask is not None and (tuple(tree_mask.shape) != (B, T, T) or tree_mask.dtype != torch.bool):
-        raise ValueError(f"tree_mask must be bool [B, T, T] = {(B, T, T)}, got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    span = T
+    if tree_mask is not None:
+        span = tree_mask.shape[-1] if tree_mask.dim() == 3 else -1
+        if tree_mask.dtype != torch.bool or tuple(tree_mask.shape[:2]) != (B, T) or span < T:
+            raise ValueError(f"tree_mask must be bool [B, T, S] with B={B}, T={T}, S >= T, got "
+                             f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
     if input_lens is not None and tuple(input_lens.shape) != (B,):
         raise ValueError(f"input_lens must have shape {(B,)}, got {tuple(input_lens.shape)}")
-    if kv_len is not None and not (T <= kv_len <= cache.max_len):
-        raise ValueError(f"kv_len ({kv_len}) must be in [T={T}, cache.max_len={cache.max_len}]")
-    if T > cache.max_len:
-        raise ValueError(f"new block of {T} tokens does not fit cache.max_len={cache.max_len}")
+    if kv_len is not None and not (span <= kv_len <= cache.max_len):
+        raise ValueError(f"kv_len ({kv_len}) must be in [S={span}, cache.max_len={cache.max_len}]")
+    if span > cache.max_len:
+        raise ValueError(f"new block of {span} rows does not fit cache.max_len={cache.max_len}")
 
 
 def prepare_block(inv_freq: Tensor, cache: KVCache, num_new: int, dtype: torch.dtype, position_ids: Tensor | None,
                   tree_mask: Tensor | None, input_lens: Tensor | None, kv_len: int | None) -> BlockInputs:
-    """Rope tables, write positions and mask for a new block of ``num_new`` tokens (no host sync)."""
+    """Rope tables, write positions and mask for a new block of ``num_new`` tokens (no host sync).
+
+    With a tree mask [B, T, S] the block is written at the last T of the S uncommitted rows.
+    """
     lengths = cache.lengths
-    write_pos = lengths[:, None] + torch.arange(num_new, device=lengths.device)  # (B, T)
+    past = 0 if tree_mask is None else tree_mask.shape[-1] - num_new
+    write_pos = lengths[:, None] + (past + torch.arange(num_new, device=lengths.device))  # (B, T)
     if position_ids is None:
         position_ids = write_pos
     cos, sin = rope_cos_sin(inv_freq, position_ids.to(lengths.device), dtype)
@@ -505,8 +639,15 @@ class ModelOutput:
     aux_hidden: tuple[Tensor, ...] = ()
 
 
-class Transformer(nn.Module):
-    """Llama-family causal LM whose parameter names are HF's minus the ``model.`` prefix."""
+class Transformer(RopeFrequencies, nn.Module):
+    """Llama-family causal LM whose parameter names are HF's minus the ``model.`` prefix.
+
+    Also a ``drafting.Drafter`` (a plain draft LM): it consumes no target features (``aux_layers == ()``,
+    ``features`` returns None) and its vocabulary is the target's (``to_target_ids``/``to_target_probs``
+    are the identity; ``eagle.load_drafter`` checks the vocab sizes).
+    """
+
+    aux_layers: tuple[int, ...] = ()  # Drafter protocol: target layers whose residual streams it consumes
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -517,7 +658,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._inv_freq: dict[torch.device, Tensor] = {}
 
     # ---- helpers
     @property
@@ -527,13 +667,6 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
-
-    def inv_freq(self) -> Tensor:
-        """float32 rotary frequencies on the model's device (cached; kept out of the state dict and dtype casts)."""
-        dev = self.device
-        if dev not in self._inv_freq:
-            self._inv_freq[dev] = rope_inv_freq(self.config, dev)
-        return self._inv_freq[dev]
 
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """Zeroed KV cache for ``batch_size`` slots of ``max_len`` rows, in the model dtype by default."""
@@ -545,21 +678,46 @@ class Transformer(nn.Module):
         """lm_head over post-norm hidden states. Shape: [..., H] -> [..., V]."""
         return self.lm_head(hidden)
 
+    # ---- drafting.Drafter protocol (a plain draft LM)
+    def features(self, target_out: "ModelOutput") -> None:
+        """A plain draft LM consumes no target features: always None."""
+        return None
+
+    def draft_forward(self, tokens: Tensor, features: Tensor | None, cache: KVCache, *,
+                      position_ids: Tensor | None = None, tree_mask: Tensor | None = None,
+                      input_lens: Tensor | None = None, kv_len: int | None = None) -> tuple[Tensor, None]:
+        """One forward without logits (``features`` is ignored); same cache semantics as ``forward``.
+
+        Shape: tokens [B, T] -> (hidden [B, T, H] for ``compute_logits``, None: no feedback features).
+        """
+        out = self(tokens, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
+                   kv_len=kv_len, return_logits=False)
+        return out.hidden, None
+
+    def to_target_ids(self, ids: Tensor) -> Tensor:
+        """Identity: a draft LM shares the target's vocabulary. Shape: any -> same."""
+        return ids
+
+    def to_target_probs(self, probs: Tensor) -> Tensor:
+        """Identity: a draft LM shares the target's vocabulary. Shape: [..., V] -> [..., V]."""
+        return probs
+
     # ---- forward
     def forward(self, input_ids: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None, aux_layers: tuple[int, ...] = (),
                 kv_len: int | None = None, return_logits: bool = True) -> ModelOutput:
         """Run a new block of tokens after each slot's committed rows; writes their K/V, keeps ``lengths``.
 
-        Token ``t`` of request ``b`` attends to committed rows ``< lengths[b]`` and to new tokens ``t'`` with
-        ``tree_mask[b, t, t']`` (causal when None) and ``t' < input_lens[b]``. ``kv_len`` (host int) limits
-        attention to the first ``kv_len`` cache rows; it must be ``>= max(lengths) + T`` (the caller knows the
+        Token ``t`` of request ``b`` attends to committed rows ``< lengths[b]`` and to uncommitted rows
+        ``lengths[b] + j`` with ``tree_mask[b, t, j]`` (causal when None; see the module glossary for S > T) and
+        ``t < input_lens[b]`` inside the new block. ``kv_len`` (host int) limits
+        attention to the first ``kv_len`` cache rows; it must be ``>= max(lengths) + S`` (the caller knows the
         lengths on the host); None attends over ``cache.max_len`` rows.
         NaN in weights/inputs propagates to the outputs; the mask never creates NaN (no empty rows).
 
         Shape:
             input_ids: [B, T]; position_ids: [B, T] (default lengths[:, None] + arange(T));
-            tree_mask: [B, T, T] bool; input_lens: [B] (tokens t >= input_lens[b] are padding)
+            tree_mask: [B, T, S] bool, S >= T; input_lens: [B] (tokens t >= input_lens[b] are padding)
             returns ModelOutput(logits [B, T, V], hidden [B, T, H], aux_hidden tuple of [B, T, H])
         """
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
@@ -572,9 +730,10 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # (B, T, H)
         blk = prepare_block(self.inv_freq(), cache, input_ids.shape[1], x.dtype, position_ids, tree_mask,
                             input_lens, kv_len)
+        li = LayerInputs.of_block(blk, self.config.num_attention_heads // self.config.num_key_value_heads)
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, blk.cos, blk.sin, cache, i, blk.write_pos, blk.mask)
+            x = layer(x, li, cache, i)
             if i in aux_layers:
                 aux[i] = x
         hidden = self.norm(x)

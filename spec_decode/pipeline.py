@@ -2,51 +2,72 @@
 
 One step, for every active request at once:
 
-1. **catch up** the drafter on the tokens the last step emitted (EAGLE: paired with the target
-   features of the tokens before them), committing them to the drafter's cache;
-2. **draft** a tree (``drafting.draft_tree``; a chain is ``topk=1``);
+1. **catch up** the drafter on the tokens the steps since its last call emitted (EAGLE: paired
+   with the target features of the tokens before them), committing them to the drafter's cache;
+2. **draft** a tree (``drafting.draft_tree``; a chain is ``topk=1``). Requests with temperature
+   > 0 draw their drafts from the drafter's distribution q (``draft_sampling``), greedy ones take
+   the drafter's top-k;
 3. **verify**: one target forward over the tree (dtype ``bfloat16`` by default), one
-   ``nan_counts_per_request(..., sanitize=True)`` pass over its logits, then
-   ``samplers.tree_verify``;
+   ``nonfinite_counts_per_request(..., sanitize=True)`` pass over its logits, then
+   ``samplers.tree_verify`` (recursive rejection with q for sampled drafts);
 4. **commit** only the accepted path's target KV; the emitted tokens and their features become
-   the next step's catch-up input.
+   the next catch-up's input.
 
 Host syncs: exactly one per step, the copy of the emitted tokens, their count and the per-request
-NaN counts (packed into one tensor) that the loop needs to stop requests. The NaN policy adds no
-sync of its own. ``method="none"`` is the same loop with a one-token target forward and ``sample``.
+NaN/Inf/dead-row counts (packed into one tensor) that the loop needs to stop requests. The NaN
+policy adds no sync of its own. ``method="none"`` is the same loop with a one-token target forward
+and ``sample``; so is a speculative step at depth 0 (``num_steps="auto"`` when speculation does
+not pay).
 
 Batch layout: request ``i`` of a ``generate`` call owns slot ``i`` of every cache until it finishes;
 finished requests are dropped from every tensor (``_Batch.keep``), so requests finish independently
 and a finished or aborted request's state is gone before the next step.
+
+Randomness: with a seed, every request has its own generator, so its tokens depend only on its own
+seed, prompt and parameters, never on its batch-mates (``samplers`` draws per row).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from numbers import Integral
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from numerics import NanPolicy, nan_counts_per_request, nonfinite_row_mask, raise_if_nan_logits, NanLogitsError
-from samplers import sample, tree_verify
-from spec_decode.drafting import draft_tree
+from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
+from samplers import SamplingParams, sample, tree_verify
+from spec_decode.drafting import DraftSampling, Drafter, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
 
 _log = logging.getLogger("safespec.spec_decode")
 METHODS = ("eagle", "eagle3", "draft_model", "none")
+DRAFT_SAMPLING = ("auto", "greedy", "sampled")
 FINISH_STOP, FINISH_LENGTH, FINISH_NAN_ABORT = "stop", "length", "nan_abort"
+# Phases of a step, timed through ``SpecDecoder.phase_timer`` (``spec-bench profile``).
+PHASES = ("drafting", "verify_forward", "verify_walk", "bookkeeping")
+NAN_KINDS = ("nan", "inf")
 
 
 @dataclass(frozen=True)
 class NanEvent:
-    """Non-finite values seen for one request at one step (``site`` as in ``NanFault``)."""
+    """Non-finite values seen for one request at one step.
+
+    ``site`` as in ``NanFault`` (``target_logits`` or ``draft_logits``); ``kind`` is ``"nan"`` or
+    ``"inf"``; ``count`` is the number of such entries in that request's logits rows of that step;
+    ``dead_rows`` the number of its rows with no finite value at all (``guard`` aborts on those).
+    """
 
     step: int
     site: str
     count: int
+    kind: str = "nan"
+    dead_rows: int = 0
 
 
 @dataclass
@@ -69,37 +90,22 @@ class GenerationResult:
 
 @dataclass
 class StepStats:
-    """Timing of the last ``generate`` call, for benchmarks (wall seconds per target step)."""
+    """Timing of the last ``generate`` call, for benchmarks.
+
+    ``step_s`` wall seconds per decode step; ``depths`` the drafting depth each step used (0: a plain
+    target step); ``host_copies`` the device-to-host copies made (measured at the one place that
+    makes them: one per step, the prefill included).
+    """
 
     prefill_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
-    host_syncs: int = 0
+    depths: list[int] = field(default_factory=list)
+    host_copies: int = 0
 
-
-@dataclass
-class _Sampling:
-    """Per-row sampling parameters as device tensors [B], plus host facts about the whole call.
-
-    ``all_greedy`` / ``any_top_k`` / ``any_top_p`` let the samplers skip work (the [B, V] draw,
-    the sort) when no request needs it; they stay valid, conservatively, as requests finish.
-    """
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
-
-    def keep(self, idx: torch.Tensor) -> "_Sampling":
-        return _Sampling(self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                         self.all_greedy, self.any_top_k, self.any_top_p)
-
-    def kwargs(self) -> dict:
-        """Keyword arguments for ``samplers.sample`` / ``tree_verify``."""
-        return dict(temperature=0.0 if self.all_greedy else self.temperature,
-                    top_k=self.top_k if self.any_top_k else None,
-                    top_p=self.top_p if self.any_top_p else None)
+    @property
+    def host_syncs(self) -> int:
+        warnings.warn("StepStats.host_syncs is deprecated: use host_copies", DeprecationWarning, stacklevel=2)
+        return self.host_copies
 
 
 @dataclass
@@ -107,7 +113,8 @@ class _Batch:
     """Device state of the active requests; row r belongs to request ``active[r]``.
 
     Shape: root [B] (the emitted token not yet in the target cache), catch_tokens [B, C],
-    catch_hidden [B, C, H] or None, catch_lens [B].
+    catch_hidden [B, C, H] or None, catch_lens [B]: tokens emitted since the drafter's last call.
+    ``target_len``, ``draft_len`` and ``catch_len`` are host mirrors of the device lengths.
     """
 
     active: list[int]
@@ -117,62 +124,52 @@ class _Batch:
     catch_tokens: torch.Tensor | None
     catch_hidden: torch.Tensor | None
     catch_lens: torch.Tensor | None
-    sampling: _Sampling
-    target_len: list[int]   # host mirror of target_cache.lengths (for kv_len and fault positions)
+    sampling: SamplingParams
+    target_len: list[int]
+    draft_len: list[int]
+    catch_len: list[int]
+    generators: list[torch.Generator] | None
 
     def keep(self, rows: list[int]) -> "_Batch":
         idx = torch.tensor(rows, dtype=torch.long, device=self.root.device)
         pick = lambda t: None if t is None else t.index_select(0, idx)
+        host = lambda xs: None if xs is None else [xs[r] for r in rows]
         return _Batch(
-            active=[self.active[r] for r in rows],
-            target_cache=self.target_cache.select(idx),
+            active=host(self.active), target_cache=self.target_cache.select(idx),
             draft_cache=None if self.draft_cache is None else self.draft_cache.select(idx),
             root=pick(self.root), catch_tokens=pick(self.catch_tokens), catch_hidden=pick(self.catch_hidden),
-            catch_lens=pick(self.catch_lens), sampling=self.sampling.keep(idx),
-            target_len=[self.target_len[r] for r in rows])
+            catch_lens=pick(self.catch_lens), sampling=self.sampling.select(idx),
+            target_len=host(self.target_len), draft_len=host(self.draft_len), catch_len=host(self.catch_len),
+            generators=host(self.generators))
 
+    def generator(self):
+        """What the samplers take: one generator per row, or None (torch's default generator)."""
+        return self.generators
 
-class _Drafter:
-    """Uniform drafter interface over an EAGLE head, an EAGLE-3 head or a plain draft LM."""
+    def append_catch(self, tokens: torch.Tensor, hidden: torch.Tensor | None, num: torch.Tensor,
+                     num_host: list[int]) -> None:
+        """Queue ``num[b]`` emitted tokens (and their features) for the drafter's next catch-up.
 
-    def __init__(self, module, kind: str):
-        self.module, self.kind = module, kind
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return tuple(self.module.aux_layers) if self.kind == "eagle3" else ()
-
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return self.module.new_cache(batch_size, max_len)
-
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.kind == "draft_model" else self.module.to_target_ids(ids)
-
-    def features(self, out) -> torch.Tensor | None:
-        """The target features this drafter consumes. Shape: [B, T, H] or None."""
-        if self.kind == "eagle":
-            return out.hidden
-        if self.kind == "eagle3":
-            return self.module.fuse(out.aux_hidden)
-        return None
-
-    def __call__(self, tokens, hidden, cache, position_ids, tree_mask, input_lens, rows):
-        """One drafter forward; logits only for ``rows`` (the lm_head dominates a tiny head's cost).
-
-        Shape: tokens [B, T]; hidden [B, T, H] or None; rows a slice or an index [B, R];
-        returns (logits [B, R, Vd], features [B, T, H] to feed back, or None for a plain LM).
+        Shape: tokens [B, W]; hidden [B, W, H] or None; num [B].
         """
-        kw = dict(position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens, return_logits=False)
-        if self.kind == "draft_model":
-            out = self.module(tokens, cache, **kw)
-        else:
-            out = self.module(tokens, hidden, cache, **kw)
-        if isinstance(rows, slice):
-            picked = out.hidden[:, rows]
-        else:
-            picked = out.hidden.gather(1, rows[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
-        logits = self.module.compute_logits(picked)
-        return logits, (None if self.kind == "draft_model" else out.hidden)
+        if self.catch_tokens is None or max(self.catch_len) == 0:
+            self.catch_tokens, self.catch_hidden, self.catch_lens = tokens, hidden, num
+            self.catch_len = list(num_host)
+            return
+        C, W = self.catch_tokens.shape[1], tokens.shape[1]
+        pos = self.catch_lens[:, None] + torch.arange(W, device=tokens.device)       # [B, W]
+        grown = torch.cat([self.catch_tokens, tokens.new_zeros(tokens.shape[0], W)], 1)
+        self.catch_tokens = grown.scatter(1, pos, tokens)
+        if hidden is not None:
+            H = hidden.shape[-1]
+            grown_h = torch.cat([self.catch_hidden, hidden.new_zeros(hidden.shape[0], W, H)], 1)
+            self.catch_hidden = grown_h.scatter(1, pos[:, :, None].expand(-1, -1, H), hidden)
+        self.catch_lens = self.catch_lens + num
+        self.catch_len = [a + b for a, b in zip(self.catch_len, num_host)]
+
+
+def _no_timer(name: str) -> ContextManager:
+    return contextlib.nullcontext()
 
 
 class SpecDecoder:
@@ -183,29 +180,51 @@ class SpecDecoder:
     model and cache). Trees: ``num_steps`` drafting depth, ``topk`` children per expanded node,
     ``num_draft_tokens`` tree nodes including the root; ``topk=1`` and
     ``num_draft_tokens=num_steps+1`` is a chain.
+
+    ``num_steps="auto"``: the decoder picks the depth per step (0, a plain target step, up to
+    ``num_draft_tokens - 1``, capped at 8) from what it has measured: see ``DepthController``.
+
+    ``draft_sampling``: ``"auto"`` (default) draws the drafts of requests with temperature > 0
+    from the drafter's distribution at that temperature (verified exactly by recursive rejection
+    sampling); greedy requests take the drafter's top-k. ``"greedy"`` takes top-k drafts for every
+    request (verified with the deterministic-draft rule). ``"sampled"`` samples every request's
+    drafts, greedy requests from the drafter at temperature 1 (exact too, but it accepts less at
+    temperature 0: it exists for comparisons).
+
+    ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
+    (names in ``PHASES``); a no-op by default. ``spec-bench profile`` sets it.
     """
 
-    def __init__(self, target: Transformer, drafter=None, *, method: str = "eagle", num_steps: int = 5,
-                 topk: int = 4, num_draft_tokens: int = 8, nan_policy=None):
+    def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
+                 num_steps: int | str = 5, topk: int = 4, num_draft_tokens: int = 8, nan_policy=None,
+                 draft_sampling: str = "auto"):
         _check_method(method, drafter)
-        _check_tree_shape(num_steps, topk, num_draft_tokens)
+        self.auto_depth = num_steps == "auto"
+        max_steps = _auto_max_steps(num_draft_tokens) if self.auto_depth else num_steps
+        _check_tree_shape(max_steps, topk, num_draft_tokens, auto=self.auto_depth)
+        if draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
         self.target = target
         self.method = method
-        self.drafter = None if drafter is None else _Drafter(drafter, method)
-        if method == "draft_model":
-            _check_same_vocab(target, drafter)
-        self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
+        self.drafter = drafter
+        if drafter is not None:
+            _check_drafter(target, drafter, method, topk)
+        self.num_steps = num_steps
+        self.max_steps, self.topk, self.num_draft_tokens = max_steps, topk, num_draft_tokens
+        self.draft_sampling = draft_sampling
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.last_stats = StepStats()
+        self.phase_timer: Callable[[str], ContextManager] = _no_timer
+        self.depth_controller = DepthController(max_steps) if self.auto_depth else None
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, *, method: str = "eagle",
-                        dtype: torch.dtype = torch.bfloat16, device=None, num_steps: int = 5, topk: int = 4,
-                        num_draft_tokens: int = 8, nan_policy=None) -> "SpecDecoder":
+                        dtype: torch.dtype = torch.bfloat16, device=None, num_steps: int | str = 5, topk: int = 4,
+                        num_draft_tokens: int = 8, nan_policy=None, draft_sampling: str = "auto") -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
         ``dtype`` is the verification (and drafting) dtype; ``nan_policy`` falls back to the env
-        var ``SAFESPEC_NAN_POLICY``, then ``"sanitize"``.
+        var ``SAFESPEC_NAN_POLICY``, then ``"guard"``. The drafter's layout must match ``method``.
         """
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -213,14 +232,11 @@ class SpecDecoder:
             raise ValueError(f"method={method!r} needs draft_path")
         target = Transformer.from_pretrained(target_path, dtype=dtype, device=device)
         drafter = None
-        if method == "draft_model":
-            drafter = Transformer.from_pretrained(draft_path, dtype=dtype, device=device)
-        elif method in ("eagle", "eagle3"):
-            from spec_decode.eagle import Eagle3Head, EagleHead
-            head_cls = EagleHead if method == "eagle" else Eagle3Head
-            drafter = head_cls.from_pretrained(draft_path, target, dtype=dtype, device=device)
+        if method != "none":
+            from spec_decode.eagle import load_drafter
+            drafter = load_drafter(draft_path, target, method=method, dtype=dtype, device=device)
         return cls(target, drafter, method=method, num_steps=num_steps, topk=topk,
-                   num_draft_tokens=num_draft_tokens, nan_policy=nan_policy)
+                   num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling)
 
     # ------------------------------------------------------------------ public entry point
     @torch.inference_mode()
@@ -229,44 +245,58 @@ class SpecDecoder:
                  request_ids=None) -> list[GenerationResult]:
         """Generate for a batch of prompts; every per-request argument is a scalar or a list.
 
-        ``temperature`` 0 is greedy. ``stop_token_ids`` is a list of ids (shared) or a list of such
-        lists (per request); a stop token is kept in the output. ``seed`` seeds one generator for the
-        whole call (same prompts + same seed -> same output). ``faults`` is a sequence of ``NanFault``.
+        ``temperature`` 0 is greedy (None: 1.0, no scaling). ``stop_token_ids``: an id, a list of ids
+        (shared) or a list of such lists (per request); a stop token is kept in the output.
+        ``seed``: None (torch's default generator, shared by the batch), an int (request ``i`` uses
+        ``seed + i``), a list of ints (one per request) or a ``torch.Generator`` (it draws one seed
+        per request). With a seed, request ``i``'s tokens depend only on its own seed, prompt and
+        parameters, never on the other requests in the batch. ``faults`` is a sequence of
+        ``NanFault`` (or None). ``request_ids``: unique ids, one per prompt (default "0", "1", ...).
 
-        NaN policy (``self.nan_policy``): ``sanitize`` continues and records ``NanEvent``s; ``raise``
-        raises ``NanLogitsError`` naming the request ids, with the partial results attached as
-        ``err.results``; ``abort`` finishes just the corrupted requests with ``"nan_abort"``, drops
-        that step's tokens for them and zeroes their KV slots; ``off`` does nothing.
+        NaN policy (``self.nan_policy``): ``guard`` (default) sanitizes rows with some NaN/Inf and
+        finishes a request with ``"nan_abort"`` when one of its rows this step has no finite value;
+        ``sanitize`` continues and records ``NanEvent``s; ``raise`` raises ``NanLogitsError`` naming
+        the request ids, with the partial results attached as ``err.results``; ``abort`` finishes
+        just the requests with NaN with ``"nan_abort"``, drops that step's tokens for them and zeroes
+        their KV slots; ``off`` does nothing. Only NaN (and, under ``guard``, dead rows) stop a request:
+        Inf is sanitized.
         """
-        req = _Requests.build(prompt_token_ids, self.target.config.vocab_size, max_new_tokens, temperature,
+        req = _Requests.build(prompt_token_ids, self.target.config, max_new_tokens, temperature,
                               top_k, top_p, stop_token_ids, request_ids)
-        plan = FaultPlan(faults, len(req.prompts))
-        device = self.target.device
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(int(seed))
+        plan = FaultPlan(() if faults is None else faults, len(req.prompts))
+        generators = _request_generators(seed, len(req.prompts), self.target.device)
         self.last_stats = StepStats()
         t0 = time.perf_counter()
-        batch = self._prefill(req, plan, gen)
+        batch = self._prefill(req, plan, generators)
         self.last_stats.prefill_s = time.perf_counter() - t0
         step = 1
         while batch is not None:
             t0 = time.perf_counter()
             if self.method == "none":
-                batch = self._ar_step(batch, req, plan, gen, step)
+                depth = 0
+                batch = self._plain_step(batch, req, plan, step)
             else:
-                batch = self._spec_step(batch, req, plan, gen, step)
-            self.last_stats.step_s.append(time.perf_counter() - t0)
+                depth = self._pick_depth(batch)
+                batch = self._spec_step(batch, req, plan, step, depth)
+            elapsed = time.perf_counter() - t0
+            self.last_stats.step_s.append(elapsed)
+            self.last_stats.depths.append(depth)
+            if self.depth_controller is not None and req.last_emitted is not None:
+                self.depth_controller.record(depth, elapsed, req.last_emitted, req.regime)
             step += 1
         return req.results
 
     # ------------------------------------------------------------------ steps
     def _max_len(self, req) -> int:
-        extra = max(self.num_draft_tokens, (self.num_steps - 1) * self.topk) + 2
+        extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk) + 2
         return max(len(p) for p in req.prompts) + max(req.max_new) + extra
 
-    def _prefill(self, req, plan, gen):
+    def _pick_depth(self, batch) -> int:
+        if self.depth_controller is None:
+            return self.num_steps
+        return self.depth_controller.choose(_regime(batch.sampling))
+
+    def _prefill(self, req, plan, generators):
         device = self.target.device
         B = len(req.prompts)
         lens_host = [len(p) for p in req.prompts]
@@ -279,10 +309,11 @@ class SpecDecoder:
         last = (lens - 1)[:, None, None]
         logits = out.logits.gather(1, last.expand(B, 1, out.logits.shape[-1]))[:, 0]   # [B, V]
         sampling = req.sampling(device)
-        batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host)
+        batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host,
+                       [0] * B, [0] * B, generators)
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        token = sample(logits, generator=gen, nan_policy="off", **sampling.kwargs())
+        token = sample(logits, generator=batch.generator(), nan_policy="off", **sampling.kwargs())
         host = self._to_host(token[:, None], torch.ones_like(token), counts, None)
         if self.drafter is not None:
             batch.draft_cache = self.drafter.new_cache(B, max_len)
@@ -291,84 +322,121 @@ class SpecDecoder:
                 plan.apply(feats, 0, "target_hidden", batch.active)
                 # EAGLE pairs the token after position t with the target feature at t.
                 batch.catch_tokens = _shift_left_insert(ids, lens, token)
-                batch.catch_hidden, batch.catch_lens = feats, lens
+                batch.catch_hidden, batch.catch_lens, batch.catch_len = feats, lens, list(lens_host)
             else:
                 batch.catch_tokens = _append_at(ids, lens, token)
-                batch.catch_lens = lens + 1
+                batch.catch_lens, batch.catch_len = lens + 1, [n + 1 for n in lens_host]
         batch.root = token
         return self._finish_step(batch, req, host, step=0)
 
-    def _ar_step(self, batch, req, plan, gen, step):
+    def _plain_step(self, batch, req, plan, step):
+        """One target forward over the root and one sampled token (``method="none"``, or depth 0)."""
         self._poison_kv(batch, plan, step)
-        kv_len = max(batch.target_len) + 1
-        out = self.target(batch.root[:, None], batch.target_cache, kv_len=kv_len)
-        logits = out.logits[:, 0]
-        plan.apply(logits, step, "target_logits", batch.active)
-        counts = self._nan_pass(logits, 1)
-        token = sample(logits, generator=gen, nan_policy="off", **batch.sampling.kwargs())
-        ones = torch.ones_like(token)
-        host = self._to_host(token[:, None], ones, counts, None)
-        batch.target_cache.commit(ones)
-        batch.target_len = [n + 1 for n in batch.target_len]
-        batch.root = token
-        return self._finish_step(batch, req, host, step)
+        with self.phase_timer("verify_forward"):
+            aux = self.drafter.aux_layers if self.drafter else ()
+            out = self.target(batch.root[:, None], batch.target_cache, aux_layers=aux,
+                              kv_len=max(batch.target_len) + 1)
+        with self.phase_timer("verify_walk"):
+            logits = out.logits[:, 0]
+            plan.apply(logits, step, "target_logits", batch.active)
+            counts = self._nan_pass(logits, 1)
+            token = sample(logits, generator=batch.generator(), nan_policy="off", **batch.sampling.kwargs())
+            ones = torch.ones_like(token)
+            host = self._to_host(token[:, None], ones, counts, None)
+        with self.phase_timer("bookkeeping"):
+            batch.target_cache.commit(ones)
+            batch.target_len = [n + 1 for n in batch.target_len]
+            if self.drafter is not None:
+                feats = self.drafter.features(out)
+                if feats is not None:
+                    plan.apply(feats, step, "target_hidden", batch.active)
+                batch.append_catch(token[:, None], feats, ones, [1] * len(batch.active))
+            batch.root = token
+            return self._finish_step(batch, req, host, step)
 
-    def _spec_step(self, batch, req, plan, gen, step):
+    def _spec_step(self, batch, req, plan, step, depth: int):
+        if depth == 0:
+            return self._plain_step(batch, req, plan, step)
         B = len(batch.active)
-        first_logits, first_hidden = self._catch_up(batch)
-        plan.apply(first_logits, step, "draft_logits", batch.active)
-        draft_bad = nonfinite_row_mask(first_logits)
-        tree = draft_tree(self.drafter, batch.draft_cache, batch.root, first_logits, first_hidden,
-                          num_steps=self.num_steps, topk=self.topk, num_draft_tokens=self.num_draft_tokens)
+        steps, N = depth, min(self.num_draft_tokens, _tree_capacity(depth, self.topk))
+        with self.phase_timer("drafting"):
+            first_logits, first_hidden = self._catch_up(batch)
+            plan.apply(first_logits, step, "draft_logits", batch.active)
+            draft_counts = self._nan_pass(first_logits, 1, sanitize=False)
+            tree = draft_tree(self.drafter, batch.draft_cache, batch.root, first_logits, first_hidden,
+                              num_steps=steps, topk=self.topk, num_draft_tokens=N,
+                              kv_len=max(batch.draft_len), sampling=self._draft_sampling(batch))
         self._poison_kv(batch, plan, step)
         tcache = batch.target_cache
-        N = tree.tokens.shape[1]
-        out = self.target(tree.tokens, tcache, position_ids=tcache.lengths[:, None] + tree.depth,
-                          tree_mask=tree.tree_mask, aux_layers=self.drafter.aux_layers,
-                          kv_len=max(batch.target_len) + N)
-        plan.apply(out.logits, step, "target_logits", batch.active)
-        counts = self._nan_pass(out.logits.view(B * N, -1), N)
-        res = tree_verify(tree.tokens, tree.parents, out.logits, generator=gen, nan_policy="off",
-                          max_depth=tree.max_depth, **batch.sampling.kwargs())
-        host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_bad)
-        batch.target_len = [n + h[1] for n, h in zip(batch.target_len, host)]
-        path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]), res.accepted_node_ids.clamp(min=0)], 1)
-        num = res.num_emitted.long()
-        tcache.commit(num, path)
-        feats = self.drafter.features(out)
-        if feats is not None:
-            feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
-            plan.apply(feats, step, "target_hidden", batch.active)
-        out_tokens = res.output_token_ids.long()
-        batch.catch_tokens = out_tokens.clamp(min=0)
-        batch.catch_hidden, batch.catch_lens = feats, num
-        batch.root = out_tokens.gather(1, (num - 1)[:, None])[:, 0]
-        return self._finish_step(batch, req, host, step)
+        with self.phase_timer("verify_forward"):
+            out = self.target(tree.tokens, tcache, position_ids=tcache.lengths[:, None] + tree.depth,
+                              tree_mask=tree.tree_mask, aux_layers=self.drafter.aux_layers,
+                              kv_len=max(batch.target_len) + N)
+        with self.phase_timer("verify_walk"):
+            plan.apply(out.logits, step, "target_logits", batch.active)
+            counts = self._nan_pass(out.logits.view(B * N, -1), N)
+            res = tree_verify(tree.tokens, tree.parents, out.logits, generator=batch.generator(), nan_policy="off",
+                              max_depth=tree.max_depth, max_children=self.topk, draft_probs=tree.draft_probs,
+                              sibling_sampling="without_replacement", **batch.sampling.kwargs())
+            host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
+        with self.phase_timer("bookkeeping"):
+            num_host = [h.num for h in host]
+            batch.target_len = [n + m for n, m in zip(batch.target_len, num_host)]
+            path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]), res.accepted_node_ids.clamp(min=0)], 1)
+            num = res.num_emitted.long()
+            tcache.commit(num, path)
+            feats = self.drafter.features(out)
+            if feats is not None:
+                feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
+                plan.apply(feats, step, "target_hidden", batch.active)
+            out_tokens = res.output_token_ids.long()
+            batch.append_catch(out_tokens.clamp(min=0), feats, num, num_host)
+            batch.root = out_tokens.gather(1, (num - 1)[:, None])[:, 0]
+            return self._finish_step(batch, req, host, step)
+
+    def _draft_sampling(self, batch) -> DraftSampling | None:
+        """Which rows sample their drafts (None: every row drafts greedily)."""
+        if self.draft_sampling == "greedy" or (self.draft_sampling == "auto" and batch.sampling.all_greedy):
+            return None
+        s = batch.sampling
+        sampled = s.temperature > 0
+        if self.draft_sampling == "sampled":
+            sampled = torch.ones_like(sampled)
+        temperature = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
+        return DraftSampling(sampled, temperature, s.top_k, s.top_p, batch.generator())
 
     def _catch_up(self, batch):
-        """Feed last step's emitted tokens to the drafter; return its prediction after the root.
+        """Feed the queued emitted tokens to the drafter; return its prediction after the root.
 
         Shape: returns first_logits [B, Vd], first_hidden [B, H] or None.
         """
         cache = batch.draft_cache
         lens = batch.catch_lens
-        last = (lens - 1)[:, None]                                       # [B, 1]
-        logits, hidden = self.drafter(batch.catch_tokens, batch.catch_hidden, cache, None, None, lens, last)
+        C = batch.catch_tokens.shape[1]
+        hidden, feedback = self.drafter.draft_forward(batch.catch_tokens, batch.catch_hidden, cache,
+                                                      input_lens=lens, kv_len=max(batch.draft_len) + C)
+        last = (lens - 1)[:, None, None]                                          # [B, 1, 1]
+        first_logits = self.drafter.compute_logits(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1])))[:, 0]
         cache.commit(lens)
+        batch.draft_len = [a + b for a, b in zip(batch.draft_len, batch.catch_len)]
+        batch.catch_len = [0] * len(batch.catch_len)
         first_hidden = None
-        if hidden is not None:
-            first_hidden = hidden.gather(1, last[:, :, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
-        return logits[:, 0], first_hidden
+        if feedback is not None:
+            first_hidden = feedback.gather(1, last.expand(-1, 1, feedback.shape[-1]))[:, 0]
+        return first_logits, first_hidden
 
     # ------------------------------------------------------------------ numerics
-    def _nan_pass(self, logits2d: torch.Tensor, rows_per_request: int) -> torch.Tensor | None:
-        """One counting (and, unless ``off``, sanitizing) pass; counts stay on device. Shape: [B]."""
+    def _nan_pass(self, logits2d: torch.Tensor, rows_per_request: int, sanitize: bool = True):
+        """One counting (and, unless ``off``, sanitizing) pass; counts stay on device.
+
+        Returns ``NonfiniteCounts`` of [B] tensors, or None under ``off``.
+        """
         if self.nan_policy is NanPolicy.OFF:
             return None
         B = logits2d.shape[0] // rows_per_request
         cu = torch.arange(0, (B + 1) * rows_per_request, rows_per_request, device=logits2d.device,
                           dtype=torch.int32)
-        return nan_counts_per_request(logits2d, cu, sanitize=True)
+        return nonfinite_counts_per_request(logits2d, cu, sanitize=sanitize)
 
     def _poison_kv(self, batch, plan, step):
         for row, value in plan.rows(step, "kv_cache", batch.active):
@@ -376,49 +444,50 @@ class SpecDecoder:
             batch.target_cache.k[:, row, :, pos] = value
             batch.target_cache.v[:, row, :, pos] = value
 
-    @staticmethod
-    def _to_host(tokens, num, counts, draft_bad):
-        """The step's one host sync: tokens [B, W], num [B], NaN counts [B], draft flags [B]."""
+    def _to_host(self, tokens, num, counts, draft_counts) -> list["_HostRow"]:
+        """The step's one host sync: tokens [B, W], num [B], target and draft NaN/Inf/dead counts [B]."""
         B = tokens.shape[0]
-        zeros = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        cols = [tokens.long(), num.long()[:, None],
-                (zeros if counts is None else counts.long())[:, None],
-                (zeros if draft_bad is None else draft_bad.long())[:, None]]
-        packed = torch.cat(cols, 1).tolist()   # host sync: the loop must know what was emitted
-        return [(row[:-3], row[-3], row[-2], row[-1]) for row in packed]
+        zeros = torch.zeros(B, 3, dtype=torch.long, device=tokens.device)
+        stack = lambda c: zeros if c is None else torch.stack([c.nan, c.inf, c.dead_rows], 1).long()
+        packed = torch.cat([tokens.long(), num.long()[:, None], stack(counts), stack(draft_counts)], 1)
+        rows = packed.tolist()   # host sync: the loop must know what was emitted
+        self.last_stats.host_copies += 1
+        return [_HostRow(r[:-7], *r[-7:]) for r in rows]
 
     # ------------------------------------------------------------------ bookkeeping
     def _finish_step(self, batch, req, host, step):
         """Apply the NaN policy, append tokens, finish requests; return the surviving batch or None."""
-        self.last_stats.host_syncs += 1
         policy = self.nan_policy
-        corrupted = {}
-        for r, (tokens, num, nan_count, draft_bad) in enumerate(host):
+        corrupted, stopped = {}, set()
+        for r, h in enumerate(host):
             res = req.results[batch.active[r]]
-            if draft_bad:
-                res.nan_events.append(NanEvent(step, "draft_logits", 1))
-            if nan_count:
-                res.nan_events.append(NanEvent(step, "target_logits", nan_count))
-                corrupted[r] = nan_count
+            _record_events(res, step, h)
+            if h.nan:
+                corrupted[r] = h.nan
+            if (policy is NanPolicy.ABORT and h.nan) or (policy is NanPolicy.GUARD and h.dead):
+                stopped.add(r)
         if corrupted and policy is NanPolicy.RAISE:
             self._raise(batch, req, corrupted)
-        if corrupted and policy is NanPolicy.SANITIZE and not req.warned:
+        warn_rows = [r for r in corrupted if r not in stopped]
+        if warn_rows and policy in (NanPolicy.SANITIZE, NanPolicy.GUARD) and not req.warned:
             req.warned = True   # one warning per call; the counts are already on the host
             _log.warning("NaN in the target logits of request(s) %s at step %d; sanitized and continuing "
-                         "(nan_policy='sanitize'); their output may be garbage",
-                         [req.results[batch.active[r]].request_id for r in corrupted], step)
-        keep = []
-        for r, (tokens, num, nan_count, _) in enumerate(host):
+                         "(nan_policy=%r); their output may be degraded",
+                         [req.results[batch.active[r]].request_id for r in warn_rows], step, policy.value)
+        keep, emitted = [], []
+        for r, h in enumerate(host):
             i = batch.active[r]
             res = req.results[i]
-            if r in corrupted and policy is NanPolicy.ABORT:
+            if r in stopped:
                 res.finish_reason = FINISH_NAN_ABORT
                 continue
-            if self._append(res, tokens[:num], req, i, record_step=step > 0):
+            emitted.append(h.num)
+            if self._append(res, h.tokens[:h.num], req, i, record_step=step > 0):
                 keep.append(r)
-        if policy is NanPolicy.ABORT and corrupted:
+        req.last_emitted = emitted or None
+        if stopped:
             bad = torch.zeros(len(batch.active), dtype=torch.bool)
-            bad[list(corrupted)] = True
+            bad[sorted(stopped)] = True
             bad = bad.to(batch.root.device)
             batch.target_cache.reset_slots(bad)
             if batch.draft_cache is not None:
@@ -457,93 +526,241 @@ class SpecDecoder:
             raise
 
 
+@dataclass
+class _HostRow:
+    """One request's share of the step's host copy."""
+
+    tokens: list[int]
+    num: int
+    nan: int
+    inf: int
+    dead: int
+    draft_nan: int
+    draft_inf: int
+    draft_dead: int
+
+
+def _record_events(res: GenerationResult, step: int, h: _HostRow) -> None:
+    for site, nan, inf, dead in (("draft_logits", h.draft_nan, h.draft_inf, h.draft_dead),
+                                 ("target_logits", h.nan, h.inf, h.dead)):
+        if nan:
+            res.nan_events.append(NanEvent(step, site, nan, "nan", dead))
+        if inf:
+            res.nan_events.append(NanEvent(step, site, inf, "inf", dead))
+
+
+# ---------------------------------------------------------------------- choosing the depth
+def _regime(sampling: SamplingParams) -> str:
+    """Acceptance differs between greedy and sampled batches; the controller keeps them apart."""
+    return "greedy" if sampling.all_greedy else "sampled"
+
+
+class DepthController:
+    """Chooses the drafting depth of each step (``num_steps="auto"``), down to 0: a plain target step.
+
+    It keeps, per regime (all-greedy batches vs batches with sampled requests):
+
+    * the step time per depth, as an exponential moving average of measured wall times (depths never
+      run are interpolated linearly between the measured ones);
+    * the acceptance survival ``P(accepted drafts >= j)``, from a per-level pass rate: a step run at
+      depth ``d`` that accepted ``a`` drafts passed levels ``1..a`` and, if ``a < d``, failed level
+      ``a + 1``; levels above ``d`` are unobserved (censored), so every depth's data counts.
+
+    Each step it picks the depth with the best expected tokens per second,
+    ``(1 + sum_{j<=d} P(A >= j)) / time(d)``. Exploration: the first steps run the deepest depth,
+    then depth 0 (to time a plain step), and every ``probe_every`` steps the depth just above the
+    current choice runs once, so a depth that was never measured can still win. Statistics persist
+    across ``generate`` calls.
+    """
+
+    def __init__(self, max_depth: int, probe_every: int = 16, ema: float = 0.2):
+        self.max_depth, self.probe_every, self.ema = max_depth, probe_every, ema
+        self._stats: dict[str, _DepthStats] = {}
+
+    def choose(self, regime: str) -> int:
+        st = self._stats.setdefault(regime, _DepthStats(self.max_depth))
+        st.steps += 1
+        if st.time[self.max_depth] is None:
+            return self.max_depth
+        if st.time[0] is None:
+            return 0
+        best = st.best()
+        if st.steps % self.probe_every == 0 and best < self.max_depth:
+            return best + 1
+        return best
+
+    def record(self, depth: int, seconds: float, emitted: list[int], regime: str) -> None:
+        """One step's outcome: its depth, wall time, and tokens emitted per request."""
+        st = self._stats.setdefault(regime, _DepthStats(self.max_depth))
+        old = st.time[depth]
+        st.time[depth] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        if depth == 0:
+            return
+        for n in emitted:
+            accepted = n - 1
+            for level in range(1, min(accepted, depth) + 1):
+                st.tries[level] += 1
+                st.passes[level] += 1
+            if accepted < depth:
+                st.tries[accepted + 1] += 1
+
+
+class _DepthStats:
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.time: list[float | None] = [None] * (max_depth + 1)
+        self.tries = [0] * (max_depth + 1)
+        self.passes = [0] * (max_depth + 1)
+        self.steps = 0
+
+    def _times(self) -> list[float]:
+        known = [(d, t) for d, t in enumerate(self.time) if t is not None]
+        out = []
+        for d in range(self.max_depth + 1):
+            if self.time[d] is not None:
+                out.append(self.time[d])
+                continue
+            lo = max((k for k in known if k[0] < d), default=known[0])
+            hi = min((k for k in known if k[0] > d), default=known[-1])
+            w = 0.0 if hi[0] == lo[0] else (d - lo[0]) / (hi[0] - lo[0])
+            out.append(lo[1] + w * (hi[1] - lo[1]))
+        return out
+
+    def best(self) -> int:
+        times = self._times()
+        survive, expected, best, best_rate = 1.0, 1.0, 0, 1.0 / times[0]
+        for d in range(1, self.max_depth + 1):
+            rate = (self.passes[d] + 1) / (self.tries[d] + 2)   # Laplace: unseen levels are a coin flip
+            survive *= rate
+            expected += survive
+            if expected / times[d] > best_rate:
+                best, best_rate = d, expected / times[d]
+        return best
+
+
 # ---------------------------------------------------------------------- input handling
 @dataclass
 class _Requests:
     prompts: list[list[int]]
     max_new: list[int]
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
+    params: dict
     stop_ids: list[frozenset]
     results: list[GenerationResult]
     warned: bool = False
+    last_emitted: list[int] | None = None
+    regime: str = "greedy"
 
     @classmethod
-    def build(cls, prompts, vocab_size, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
+    def build(cls, prompts, config, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
               request_ids) -> "_Requests":
-        prompts = _check_prompts(prompts, vocab_size)
+        prompts = _check_prompts(prompts, config.vocab_size)
         B = len(prompts)
-        max_new = _per_request("max_new_tokens", max_new_tokens, B, int)
-        for m in max_new:
-            if m < 1:
-                raise ValueError(f"max_new_tokens must be >= 1, got {m}")
-        temp = _per_request("temperature", temperature, B, float)
-        for t in temp:
-            if not t >= 0 or math.isinf(t):
-                raise ValueError(f"temperature must be a finite number >= 0, got {t}")
-        tk = [0 if k is None else k for k in _per_request("top_k", top_k, B, None)]
-        for k in tk:
-            if not isinstance(k, int) or k < 0:
-                raise ValueError(f"top_k must be None or an int >= 0, got {k!r}")
-        tp = [1.0 if p is None else float(p) for p in _per_request("top_p", top_p, B, None)]
-        for p in tp:
-            if not 0 < p <= 1:
-                raise ValueError(f"top_p must be in (0, 1], got {p}")
-        stops = _stop_ids(stop_token_ids, B)
-        ids = [str(i) for i in range(B)] if request_ids is None else [str(r) for r in request_ids]
-        if len(ids) != B:
-            raise ValueError(f"request_ids has {len(ids)} entries for {B} prompts")
-        return cls(prompts, max_new, temp, tk, tp, stops, [GenerationResult(r) for r in ids])
+        max_new = [_check_max_new(m) for m in _per_request("max_new_tokens", max_new_tokens, B)]
+        limit = config.max_position_embeddings
+        for i, (p, m) in enumerate(zip(prompts, max_new)):
+            if len(p) + m > limit:
+                raise ValueError(f"prompt_token_ids[{i}] has {len(p)} tokens; with max_new_tokens={m} that "
+                                 f"exceeds the target's max_position_embeddings ({limit})")
+        params = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        SamplingParams.build(B, **params)   # validate now, naming the argument and the request
+        req = cls(prompts, max_new, params, _stop_ids(stop_token_ids, B), [GenerationResult(r) for r in
+                                                                          _request_ids(request_ids, B)])
+        return req
 
-    def sampling(self, device) -> _Sampling:
-        return _Sampling(torch.tensor(self.temperature, dtype=torch.float32, device=device),
-                         torch.tensor(self.top_k, dtype=torch.long, device=device),
-                         torch.tensor(self.top_p, dtype=torch.float32, device=device),
-                         all_greedy=all(t == 0 for t in self.temperature),
-                         any_top_k=any(k > 0 for k in self.top_k),
-                         any_top_p=any(p < 1 for p in self.top_p))
+    def sampling(self, device) -> SamplingParams:
+        params = SamplingParams.build(len(self.prompts), **self.params, device=device)
+        self.regime = _regime(params)
+        return params
 
 
 def _check_prompts(prompts, vocab_size) -> list[list[int]]:
-    if isinstance(prompts, torch.Tensor) or not isinstance(prompts, (list, tuple)) or not prompts:
+    if isinstance(prompts, (torch.Tensor, str)) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)):
+            raise ValueError(f"prompt_token_ids[{i}] must be a list of token ids, got {type(p).__name__}")
         p = list(p)
         if not p:
             raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
-        bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab_size]
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, Integral) or not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids[{i}] holds ids outside [0, {vocab_size}): {bad[:5]}")
-        out.append(p)
+        out.append([int(t) for t in p])
     return out
 
 
-def _per_request(name, value, B, cast):
+def _check_max_new(m) -> int:
+    if isinstance(m, bool) or not isinstance(m, (Integral, float)) or (isinstance(m, float) and not m.is_integer()):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {m!r}")
+    if m < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {m}")
+    return int(m)
+
+
+def _per_request(name, value, B):
     if isinstance(value, (list, tuple)):
         if len(value) != B:
             raise ValueError(f"{name} has {len(value)} entries for {B} prompts")
-        values = list(value)
+        return list(value)
+    return [value] * B
+
+
+def _request_ids(request_ids, B) -> list[str]:
+    if request_ids is None:
+        return [str(i) for i in range(B)]
+    if isinstance(request_ids, (str, bytes)) or not isinstance(request_ids, (list, tuple)):
+        raise ValueError(f"request_ids must be a list with one id per prompt, got {type(request_ids).__name__}")
+    ids = [str(r) for r in request_ids]
+    if len(ids) != B:
+        raise ValueError(f"request_ids has {len(ids)} entries for {B} prompts")
+    dup = sorted({r for r in ids if ids.count(r) > 1})
+    if dup:
+        raise ValueError(f"request_ids must be unique; repeated: {dup[:5]}")
+    return ids
+
+
+def _request_generators(seed, B, device) -> list[torch.Generator] | None:
+    """One generator per request (None: torch's default generator, shared by the batch)."""
+    if seed is None:
+        return None
+    if isinstance(seed, torch.Generator):
+        seeds = torch.randint(0, 2**62, (B,), generator=seed, device=seed.device).tolist()  # host: setup only
+    elif isinstance(seed, (list, tuple)):
+        if len(seed) != B:
+            raise ValueError(f"seed has {len(seed)} entries for {B} prompts")
+        seeds = list(seed)
     else:
-        values = [value] * B
-    if cast is not None:
-        try:
-            values = [cast(v) for v in values]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{name} must be a number or a list of numbers, got {value!r}") from e
-    return values
+        seeds = [seed] * B
+        if isinstance(seed, Integral) and not isinstance(seed, bool):
+            seeds = [seed + i for i in range(B)]
+    for i, s in enumerate(seeds):
+        if isinstance(s, bool) or not isinstance(s, Integral) or s < 0:
+            raise ValueError(f"seed must be None, an int >= 0, a list of them or a torch.Generator; "
+                             f"got {s!r} for request {i}")
+    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
 def _stop_ids(stop_token_ids, B) -> list[frozenset]:
     if stop_token_ids is None:
         return [frozenset()] * B
+    if isinstance(stop_token_ids, Integral) and not isinstance(stop_token_ids, bool):
+        return [frozenset([int(stop_token_ids)])] * B
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
+        raise ValueError(f"stop_token_ids must be an id, a list of ids or a list of lists, got {stop_token_ids!r}")
     items = list(stop_token_ids)
     if items and all(isinstance(s, (list, tuple, set, frozenset)) for s in items):
         if len(items) != B:
             raise ValueError(f"stop_token_ids has {len(items)} lists for {B} prompts")
-        return [frozenset(int(t) for t in s) for s in items]
-    return [frozenset(int(t) for t in items)] * B
+        return [_id_set(s) for s in items]
+    return [_id_set(items)] * B
+
+
+def _id_set(ids) -> frozenset:
+    bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+    if bad:
+        raise ValueError(f"stop_token_ids must hold ints, got {bad[:5]}")
+    return frozenset(int(t) for t in ids)
 
 
 def _check_method(method, drafter):
@@ -553,20 +770,44 @@ def _check_method(method, drafter):
         raise ValueError(f"method={method!r} " + ("takes no drafter" if method == "none" else "needs a drafter"))
 
 
-def _check_tree_shape(num_steps, topk, num_draft_tokens):
+def _check_drafter(target, drafter, method, topk):
+    """The drafter's class must match ``method``; top-k must fit its vocabulary."""
+    from spec_decode.eagle import Eagle3Head, EagleHead
+
+    expected = {"eagle": EagleHead, "eagle3": Eagle3Head, "draft_model": Transformer}[method]
+    if not isinstance(drafter, expected):
+        raise ValueError(f"method={method!r} needs a {expected.__name__} drafter, got {type(drafter).__name__}")
+    if method == "draft_model":
+        tv, dv = target.config.vocab_size, drafter.config.vocab_size
+        if tv != dv:
+            raise ValueError(f"draft model vocab_size ({dv}) differs from the target's ({tv})")
+    vocab = getattr(drafter, "draft_vocab_size", None) or drafter.config.vocab_size
+    if topk > vocab:
+        raise ValueError(f"topk ({topk}) exceeds the drafter's vocabulary ({vocab})")
+
+
+def _tree_capacity(num_steps: int, topk: int) -> int:
+    """The most nodes (root included) an EAGLE-2 tree of this depth and width can hold."""
+    return 1 + topk + (num_steps - 1) * topk * topk
+
+
+def _auto_max_steps(num_draft_tokens) -> int:
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
+        raise ValueError(f"num_draft_tokens must be an int >= 2, got {num_draft_tokens!r}")
+    return min(num_draft_tokens - 1, 8)
+
+
+def _check_tree_shape(num_steps, topk, num_draft_tokens, auto: bool = False):
     for name, v in (("num_steps", num_steps), ("topk", topk)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    capacity = 1 + topk + (num_steps - 1) * topk * topk
-    if not isinstance(num_draft_tokens, int) or not 2 <= num_draft_tokens <= capacity:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            hint = " or 'auto'" if name == "num_steps" else ""
+            raise ValueError(f"{name} must be an int >= 1{hint}, got {v!r}")
+    capacity = _tree_capacity(num_steps, topk)
+    if auto:
+        return   # shallower depths use min(num_draft_tokens, their capacity)
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 2 <= num_draft_tokens <= capacity:
         raise ValueError(f"num_draft_tokens must be an int in [2, {capacity}] for num_steps={num_steps}, "
                          f"topk={topk} (root included), got {num_draft_tokens!r}")
-
-
-def _check_same_vocab(target, drafter):
-    tv, dv = target.config.vocab_size, drafter.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"draft model vocab_size ({dv}) differs from the target's ({tv})")
 
 
 def _right_pad(prompts, device):

@@ -34,18 +34,14 @@ from pathlib import Path
 
 import pytest
 
+from spec_decode.fixtures import (DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, FIXTURES_ENV, PROMPTS_FILE, TARGET_SUBDIR,
+                                  find_fixtures_dir)
+
 DTYPE_ENV = "SAFESPEC_TEST_DTYPE"
-FIXTURES_ENV = "SAFESPEC_FIXTURES_DIR"
 NAN_POLICY_ENV = "SAFESPEC_NAN_POLICY"
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_DTYPE = "bf16"
 DEFAULT_TEST_NAN_POLICY = "raise"  # inside tests no NaN may hide
-
-TARGET_SUBDIR = "models/tiny-target"
-EAGLE_SUBDIR = "models/tiny-eagle"
-EAGLE3_SUBDIR = "models/tiny-eagle3"
-DRAFT_SUBDIR = "models/tiny-draft"
-PROMPTS_FILE = "prompts.jsonl"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -84,23 +80,10 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"safespec: spec dtype {resolve_dtype_name(config)} ({source})"
 
 
-def find_fixtures_dir(rootpath: Path) -> Path | None:
-    """``$SAFESPEC_FIXTURES_DIR``, else the first ``<dir>/fixtures`` with a ``models/`` subfolder at or above
-    ``rootpath``; None when there is none."""
-    env = os.environ.get(FIXTURES_ENV)
-    if env:
-        return Path(env)
-    for d in (rootpath, *rootpath.parents):
-        candidate = d / "fixtures"
-        if (candidate / "models").is_dir():
-            return candidate
-    return None
-
-
 def _torch_dtype(name: str):
-    import torch  # imported on use: the plugin loads in every pytest run
+    from spec_decode.dtypes import torch_dtype  # imports torch: on use, the plugin loads in every pytest run
 
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    return torch_dtype(name)
 
 
 @pytest.fixture(scope="session")

@@ -6,36 +6,51 @@ entry point ``safespec = "spec_decode.sglang_plugin:register"`` in the group
 only *registers* hooks with SGLang's ``HookRegistry``; ``load_plugins`` applies them
 right after every plugin ran.
 
-Glossary:
+Glossary (words as in ``numerics.policy``: NaN, Inf, non-finite, dead row):
     site: where logits are handled. ``sampler``: ``Sampler._preprocess_logits``, one
         row per request (prefill and plain decode). ``verify``: ``eagle_sample``, the
         EAGLE target logits of the draft tree, ``draft_token_num`` rows per request.
     rid: SGLang's request id (``Req.rid``); errors and aborts name it.
+    counts: per request, its NaN entries and its dead rows at one site and step
+        (int32 ``[2, num_reqs]`` on the device, ``NanCountsOnDevice``).
+    ride: the counts are handed to SGLang as a ``DeviceAuxiliaryOutput`` on the step's
+        ``LogitsProcessorOutput``; SGLang copies them to the host in the same
+        device-to-host copy as the sampled token ids (``GenerationBatchResult.copy_to_cpu``)
+        and waits for both with the one ``copy_done`` it waits for anyway.
     abort: the request finishes with ``FINISH_ABORT`` (HTTP 500, err_type
-        ``NanLogitsError``) and ``skip_radix_cache_insert``, so its KV is freed
-        instead of entering the radix (prefix) cache. Other requests keep running.
+        ``NanLogitsError``, a message naming the rid and the policy) and
+        ``skip_radix_cache_insert``, so its KV is freed instead of entering the radix
+        (prefix) cache. Other requests keep running.
 
 Policy (``SAFESPEC_NAN_POLICY`` or ``register(nan_policy=...)``, see ``numerics.NanPolicy``):
     off: register no hook; SGLang behaves as without the plugin.
     sanitize: in place, NaN -> -1e30, +-Inf -> +-1e30, one-shot async warning. No host sync.
+    guard (default): count NaN and dead rows per request and sanitize, in one pass; the
+        counts ride the step's result copy; a request with a dead row is aborted, partial
+        NaN is sanitized and warned about once. No host sync added.
+    abort: as guard, but any NaN aborts the request. No host sync added.
     raise: count NaN per request, read the counts on the host (one sync per call),
         raise ``NanLogitsError`` naming the rids. In SGLang that stops the scheduler.
-    abort: count and sanitize in one pass, read the counts (one sync per call), abort
-        only the corrupted requests.
+
+Draft side: under every policy but ``off``, draft probabilities that reach rejection
+sampling (``verify_input.draft_probs``) are cleaned in place before ``eagle_sample``:
+NaN, Inf and negative entries become 0 and rows are renormalised; a row with no mass
+left becomes all zeros, so SGLang's kernel rejects its drafts. No host sync.
 """
 
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import pkgutil
-import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import torch
 
-from numerics import NanPolicy, nan_counts_per_request, raise_if_nan_logits, sanitize_nan_logits
+from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits, sanitize_nan_logits
+from samplers._nan import clean_probs
 
 logger = logging.getLogger(__name__)
 
@@ -45,27 +60,40 @@ PLUGIN_NAME = "safespec"
 SAMPLER_TARGET = "sglang.srt.layers.sampler.Sampler._preprocess_logits"
 SAMPLE_CONTEXT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.sample"
 VERIFY_TARGET = "sglang.srt.speculative.eagle_utils.eagle_sample"
+RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 FINISH_TARGET = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
-HOOK_TARGETS = (SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, VERIFY_TARGET, FINISH_TARGET)
+ANNOUNCE_TARGET = "sglang.srt.managers.scheduler.configure_scheduler_process"
+HOOK_TARGETS = (SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, VERIFY_TARGET, RESULT_TARGET, FINISH_TARGET, ANNOUNCE_TARGET)
 
 # Read, not hooked: (symbol, attribute its code must read). The abort path relies on
-# update_finish_state consuming ``to_finish`` and release_kv_cache honouring
-# ``skip_radix_cache_insert``; a release that renamed either would abort without
-# keeping the KV out of the cache, so the plugin refuses instead.
+# update_finish_state consuming ``to_finish``, release_kv_cache honouring
+# ``skip_radix_cache_insert`` and copy_to_cpu copying the auxiliary device output;
+# a release that renamed any would abort without its guarantees, so the plugin refuses.
 REQUIRED_SYMBOLS = (
     ("sglang.srt.managers.schedule_batch.FINISH_ABORT", None),
     (FINISH_TARGET, "to_finish"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "skip_radix_cache_insert"),
+    ("sglang.srt.managers.utils.GenerationBatchResult.copy_auxiliary_output_to_cpu", "auxiliary_device_output"),
+    ("sglang.srt.managers.auxiliary_output.append_auxiliary_output", None),
     ("sglang.srt.plugins.hook_registry.HookRegistry.register", None),
     ("sglang.srt.plugins.hook_registry.HookType.AROUND", None),
 )
+
+# Speculative algorithms whose target logits reach tokens without passing a hooked site
+# (docs/sglang.md, "Coverage"). Configuring one logs a single warning at startup.
+UNCOVERED_ALGORITHMS = {
+    "DFLASH": "dflash_worker_v2 verifies with its own argmax / tree sampling",
+    "DSPARK": "dspark_components.dspark_verify verifies with its own row argmax",
+    "UNO": "chain mode samples in uno_worker_v2 / uno_utils.run_uno_sampling (tree mode is covered)",
+}
 
 ABORT_STATUS = HTTPStatus.INTERNAL_SERVER_ERROR
 ABORT_ERR_TYPE = "NanLogitsError"
 ROW_LABEL = "row{}"
 """Label of a sampler row when the batch's rids are unknown (no ModelRunner.sample context)."""
-
-_SAMPLE_RIDS: contextvars.ContextVar = contextvars.ContextVar("safespec_sglang_rids", default=None)
+COUNT_ROWS = ("nan", "dead_rows")
+"""Rows of the int32 [2, num_reqs] counts tensor that rides the result copy."""
+ABORTING_POLICIES = (NanPolicy.ABORT, NanPolicy.GUARD)
 
 
 class SGLangPluginError(RuntimeError):
@@ -74,16 +102,65 @@ class SGLangPluginError(RuntimeError):
 
 @dataclass
 class PluginState:
-    """What the hooks share: the policy and the rids waiting to be aborted.
-
-    ``pending_aborts`` maps rid -> abort message. The sampler site only knows rids;
-    the ``Req.update_finish_state`` hook turns an entry into an abort in the same
-    step's result processing, before SGLang frees or caches the request's KV.
-    """
+    """What the hooks share: the policy and the per-process warning flags."""
 
     policy: NanPolicy
     counts_backend: str = "auto"
-    pending_aborts: dict = field(default_factory=dict)
+    warned_partial_nan: bool = False
+    announced: bool = False
+
+
+@dataclass
+class _SampleCall:
+    """One ``ModelRunner.sample`` call: its rids, and the counts the sampler hook left."""
+
+    rids: list | None
+    counts: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class NanCountsOnHost:
+    """SGLang ``HostAuxiliaryOutput``: one site's counts after SGLang's result copy.
+
+    Shape:
+        counts: int32 [2, len(rids)] on the host (rows ``COUNT_ROWS``).
+    """
+
+    site: str
+    rids: tuple
+    counts: torch.Tensor
+
+    def consume(self, batch, commits) -> None:
+        """Nothing: the ``Req.update_finish_state`` hook reads the counts earlier in the step."""
+
+
+@dataclass(frozen=True)
+class NanCountsOnDevice:
+    """SGLang ``DeviceAuxiliaryOutput``: one site's counts, copied with the sampled tokens.
+
+    Shape:
+        counts: int32 [2, len(rids)] on the logits' device (rows ``COUNT_ROWS``), a fresh
+            tensor (never a CUDA-graph buffer).
+    """
+
+    site: str
+    rids: tuple
+    counts: torch.Tensor
+
+    def copy_to_host(self, copy_tensor) -> NanCountsOnHost:
+        return NanCountsOnHost(self.site, self.rids, copy_tensor(self.counts))
+
+
+@dataclass
+class _ResultInProcess:
+    """The result whose ``Scheduler.process_batch_result`` is running, and its decisions."""
+
+    result: object
+    aborts: dict | None = None  # rid -> abort message, built on the first finish check
+
+
+_SAMPLE_CALL: contextvars.ContextVar = contextvars.ContextVar("safespec_sglang_sample", default=None)
+_RESULT: contextvars.ContextVar = contextvars.ContextVar("safespec_sglang_result", default=None)
 
 
 def _resolve(dotted: str):
@@ -126,15 +203,17 @@ def check_compatibility() -> None:
         )
 
 
-def _abort_message(rid: str, num_nans: int, site: str) -> str:
+def abort_message(policy: NanPolicy, rid: str, site: str, num_nans: int, dead_rows: int) -> str:
+    """The ``FINISH_ABORT`` message of a request aborted by ``policy`` at ``site``."""
+    what = f"{dead_rows} dead logit rows (no finite value)" if policy is NanPolicy.GUARD else f"{num_nans} NaN logits"
     return (
-        f"safespec: {num_nans} NaN logits for request {rid} at SGLang {site}; "
-        f"request aborted by the safespec NaN policy 'abort'; its KV is kept out of the prefix cache"
+        f"safespec: request {rid} aborted by the safespec NaN policy '{policy.value}': {what} "
+        f"at SGLang {site}; its KV is kept out of the prefix cache"
     )
 
 
 def mark_aborted(req, message: str) -> None:
-    """Finish ``req`` with ``FINISH_ABORT`` at its next finish check and bar its KV from the radix cache.
+    """Finish ``req`` with ``FINISH_ABORT`` at its finish check and bar its KV from the radix cache.
 
     SGLang's own "abort a running request" path: ``to_finish`` is consumed by
     ``Req.update_finish_state``; ``skip_radix_cache_insert`` makes ``release_kv_cache``
@@ -147,105 +226,230 @@ def mark_aborted(req, message: str) -> None:
         req.to_finish = FINISH_ABORT(message, ABORT_STATUS, ABORT_ERR_TYPE)
 
 
-def _apply_policy(
-    state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str
-) -> list:
-    """Sanitize ``logits`` in place under ``state.policy``; return [(index, rid, count)] to abort.
+def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str):
+    """Apply ``state.policy`` to ``logits`` in place; return the device counts to ride the result copy.
 
     Shape:
         logits: [num_rows, V]; cu_num_rows: [len(rids) + 1] on logits.device.
+        returns: int32 [2, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
 
-    On NaN: sanitize -> sanitized, warned once; raise -> sanitized, then
-    ``NanLogitsError`` naming the corrupted rids; abort -> sanitized, the corrupted
-    requests are returned for the caller to abort.
+    On NaN: sanitize -> sanitized, warned once (async); raise -> sanitized, then
+    ``NanLogitsError`` naming the corrupted rids (one host sync); abort/guard ->
+    sanitized, counts returned without a host sync.
     """
     if state.policy is NanPolicy.SANITIZE:
         sanitize_nan_logits(logits, f"sglang {site}")
-        return []
-    counts = nan_counts_per_request(logits, cu_num_rows, sanitize=True, backend=state.counts_backend)
-    # Host sync: raise/abort must know which requests are corrupted before SGLang
-    # commits this step's tokens; one int32 per request.
-    host_counts = counts.tolist()
-    if not any(host_counts):
-        return []
+        return None
+    counts = nonfinite_counts_per_request(logits, cu_num_rows, sanitize=True, backend=state.counts_backend)
     if state.policy is NanPolicy.RAISE:
-        raise_if_nan_logits(dict(zip(rids, host_counts)))
-    corrupted = [(i, rid, n) for i, (rid, n) in enumerate(zip(rids, host_counts)) if n]
-    logger.error(
-        "safespec: NaN logits at SGLang %s; aborting %s",
-        site,
-        ", ".join(f"{rid} ({n} NaN)" for _, rid, n in corrupted),
+        # Host sync: raise must know before SGLang commits this step's tokens; one int32 per request.
+        raise_if_nan_logits(dict(zip(rids, counts.nan.tolist())))
+        return None
+    return torch.stack((counts.nan, counts.dead_rows))
+
+
+def decide_aborts(state: PluginState, host: NanCountsOnHost) -> dict:
+    """Return {rid: abort message} for one site's host counts under ``state.policy``.
+
+    Reads host memory only (SGLang's copy, after its ``copy_done`` wait). Under guard,
+    partial NaN (NaN without a dead row) is logged once per process.
+    """
+    aborts = {}
+    partial = []
+    # Host memory: SGLang already waited for this copy (copy_done) before processing the result.
+    for rid, num_nans, dead_rows in zip(host.rids, *host.counts.tolist()):
+        trigger = dead_rows if state.policy is NanPolicy.GUARD else num_nans
+        if trigger:
+            aborts[rid] = abort_message(state.policy, rid, host.site, num_nans, dead_rows)
+        elif num_nans:
+            partial.append(f"{rid} ({num_nans} NaN)")
+    if aborts:
+        logger.error("safespec: non-finite logits at SGLang %s; aborting %s", host.site, ", ".join(aborts))
+    if partial and not state.warned_partial_nan:
+        state.warned_partial_nan = True
+        logger.warning(
+            "safespec: NaN logits sanitized at SGLang %s for %s (policy 'guard' aborts dead rows only; "
+            "warned once per process)",
+            host.site,
+            ", ".join(partial),
+        )
+    return aborts
+
+
+def _host_counts(result) -> list:
+    """Every ``NanCountsOnHost`` of ``result``; a copy SGLang did not make is made here (synced)."""
+    host = getattr(result, "auxiliary_host_output", None)
+    if host is None:
+        logits_output = getattr(result, "logits_output", None)
+        device = getattr(logits_output, "auxiliary_device_output", None)
+        if device is None:
+            return []
+        # Host sync, a fallback only: a result path that skipped SGLang's copy (none in 0.5.23's
+        # plain, overlap, spec or PP paths) would otherwise drop the counts.
+        host = device.copy_to_host(lambda t: t.cpu())
+    outputs = getattr(host, "outputs", (host,))
+    return [o for o in outputs if isinstance(o, NanCountsOnHost)]
+
+
+def _attach(logits_output, device_counts: NanCountsOnDevice) -> None:
+    """Append ``device_counts`` to the step's auxiliary device output (dropping a stale one of ours)."""
+    from sglang.srt.managers.auxiliary_output import CompositeDeviceAuxiliaryOutput, append_auxiliary_output
+
+    current = logits_output.auxiliary_device_output
+    outputs = current.outputs if isinstance(current, CompositeDeviceAuxiliaryOutput) else (current,)
+    # A CUDA-graph runner may hand back a reused LogitsProcessorOutput: never carry last step's counts.
+    kept = [o for o in outputs if o is not None and not isinstance(o, NanCountsOnDevice)]
+    current = None
+    for output in kept:
+        current = append_auxiliary_output(current, output)
+    logits_output.auxiliary_device_output = append_auxiliary_output(current, device_counts)
+
+
+def _clean_draft_probs(verify_input) -> None:
+    """Clean ``verify_input.draft_probs`` in place (same storage: it may be a graph buffer). No host sync.
+
+    Shape:
+        draft_probs: [bs, num_steps, V] float.
+    """
+    draft_probs = getattr(verify_input, "draft_probs", None)
+    if draft_probs is None or not draft_probs.is_floating_point() or draft_probs.numel() == 0:
+        return
+    clean, _ = clean_probs(draft_probs, zero_rows="zero")
+    draft_probs.copy_(clean)
+
+
+def announce(state: PluginState, server_args) -> None:
+    """Log the policy line, and one warning if an uncovered speculative algorithm is configured.
+
+    Runs in each scheduler process right after SGLang configured its logging (``load_plugins``
+    runs before that, so a line logged by ``register`` is lost).
+    """
+    if state.announced:
+        return
+    state.announced = True
+    logger.info(
+        "safespec SGLang plugin: NaN policy '%s' at the sampler and EAGLE verify (eagle_sample)",
+        state.policy.value,
     )
-    return corrupted
+    algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
+    if algorithm in UNCOVERED_ALGORITHMS:
+        logger.warning(
+            "safespec SGLang plugin does not cover --speculative-algorithm %s: %s; its target logits "
+            "reach tokens without the NaN policy '%s' (see safespec docs/sglang.md, Coverage)",
+            algorithm,
+            UNCOVERED_ALGORITHMS[algorithm],
+            state.policy.value,
+        )
 
 
 def _row_rids(num_rows: int) -> tuple:
-    """Return (labels, known): the batch's rids when ModelRunner.sample supplied them."""
-    rids = _SAMPLE_RIDS.get()
-    if rids is not None and len(rids) == num_rows:
-        return list(rids), True
-    return [ROW_LABEL.format(i) for i in range(num_rows)], False
+    """Return (labels, call): the batch's rids when ModelRunner.sample supplied them."""
+    call = _SAMPLE_CALL.get()
+    if call is not None and call.rids is not None and len(call.rids) == num_rows:
+        return list(call.rids), call
+    return [ROW_LABEL.format(i) for i in range(num_rows)], None
 
 
 def make_hooks(state: PluginState) -> dict:
-    """Build the four hook callables (target -> hook) bound to ``state``.
+    """Build the hook callables (target -> hook) bound to ``state``.
 
     Each hook has HookRegistry's AROUND signature ``hook(original_fn, *args, **kwargs)``
-    except the finish hook, a BEFORE hook ``hook(req, *args, **kwargs)``.
+    except the finish hook, a BEFORE hook ``hook(req, *args, **kwargs)``, and the
+    announce hook, an AFTER hook ``hook(result, *args, **kwargs)``.
     """
 
     def sampler_hook(original_fn, sampler, logits, sampling_info):
         """Policy on the sampler's [batch, V] logits, then SGLang's own preprocessing."""
         num_rows = logits.shape[0]
-        rids, known = _row_rids(num_rows)
+        rids, call = _row_rids(num_rows)
+        if call is None and state.policy in ABORTING_POLICIES:
+            # No request to finish: sanitize and warn (async), as the sanitize policy does.
+            sanitize_nan_logits(logits, "sglang sampler (no request ids)")
+            return original_fn(sampler, logits, sampling_info)
         cu_num_rows = torch.arange(num_rows + 1, device=logits.device, dtype=torch.int32)
-        for _, rid, n in _apply_policy(state, logits, cu_num_rows, rids, "sampler"):
-            if known:
-                state.pending_aborts[rid] = _abort_message(rid, n, "sampler")
-            else:  # sanitized, but there is no request to finish
-                logger.error("safespec: cannot abort %s: no request ids for this sampler call", rid)
+        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "sampler")
+        if counts is not None:
+            call.counts = counts
         return original_fn(sampler, logits, sampling_info)
 
     def sample_context_hook(original_fn, runner, logits_output, forward_batch, *args, **kwargs):
-        """Expose the batch's rids to ``sampler_hook`` for the duration of the sample call."""
-        token = _SAMPLE_RIDS.set(getattr(forward_batch, "rids", None))
+        """Expose the batch's rids to ``sampler_hook``; attach its counts to the step's result."""
+        call = _SampleCall(rids=getattr(forward_batch, "rids", None))
+        token = _SAMPLE_CALL.set(call)
         try:
-            return original_fn(runner, logits_output, forward_batch, *args, **kwargs)
+            next_token_ids = original_fn(runner, logits_output, forward_batch, *args, **kwargs)
         finally:
-            _SAMPLE_RIDS.reset(token)
+            _SAMPLE_CALL.reset(token)
+        if call.counts is not None:
+            _attach(logits_output, NanCountsOnDevice("sampler", tuple(call.rids), call.counts))
+        return next_token_ids
 
     def verify_hook(original_fn, verify_input, batch, logits_output, *args, **kwargs):
-        """Policy on the EAGLE verify logits [bs * draft_token_num, V], then SGLang's verify."""
+        """Policy on the EAGLE verify logits [bs * draft_token_num, V] and the draft probs, then verify."""
         if batch.forward_mode.is_idle():
             return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        _clean_draft_probs(verify_input)
         logits = logits_output.next_token_logits  # [bs * draft_token_num, V]
-        reqs = batch.reqs
+        rids = [req.rid for req in batch.reqs]
         # EAGLE verifies the same number of tree nodes for every request; built on the
         # device from host ints, so no sync.
         cu_num_rows = verify_input.draft_token_num * torch.arange(
-            len(reqs) + 1, device=logits.device, dtype=torch.int32
+            len(rids) + 1, device=logits.device, dtype=torch.int32
         )
-        rids = [req.rid for req in reqs]
-        for i, rid, n in _apply_policy(state, logits, cu_num_rows, rids, "verify"):
-            mark_aborted(reqs[i], _abort_message(rid, n, "verify"))
-        return original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "verify")
+        out = original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        if counts is not None:
+            _attach(logits_output, NanCountsOnDevice("verify", tuple(rids), counts))
+        return out
+
+    def result_hook(original_fn, scheduler, batch, result, *args, **kwargs):
+        """Expose the result being processed to ``finish_hook`` (reads nothing here)."""
+        token = _RESULT.set(_ResultInProcess(result))
+        try:
+            return original_fn(scheduler, batch, result, *args, **kwargs)
+        finally:
+            _RESULT.reset(token)
 
     def finish_hook(req, *args, **kwargs):
-        """Turn a pending sampler-site abort into SGLang's ``to_finish`` before it is checked."""
-        if state.pending_aborts:
-            message = state.pending_aborts.pop(req.rid, None)
-            if message is not None:
-                mark_aborted(req, message)
+        """Abort ``req`` before SGLang's finish check when its counts say so."""
+        current = _RESULT.get()
+        if current is None:
+            return None
+        if current.aborts is None:  # first finish check of this result: SGLang's copy_done wait is behind us
+            current.aborts = {}
+            for host in _host_counts(current.result):
+                current.aborts.update(decide_aborts(state, host))
+        message = current.aborts.get(req.rid)
+        if message is not None and req.to_finish is None:
+            mark_aborted(req, message)
         return None
 
-    for hook in (sampler_hook, sample_context_hook, verify_hook, finish_hook):
-        hook.safespec_hook = True
-    return {
+    def announce_hook(result, server_args, *args, **kwargs):
+        """After SGLang configured the scheduler's logging: the policy line and coverage warning."""
+        announce(state, server_args)
+        return None
+
+    hooks = {
         SAMPLER_TARGET: sampler_hook,
         SAMPLE_CONTEXT_TARGET: sample_context_hook,
         VERIFY_TARGET: verify_hook,
+        RESULT_TARGET: result_hook,
         FINISH_TARGET: finish_hook,
+        ANNOUNCE_TARGET: announce_hook,
     }
+    for hook in hooks.values():
+        hook.safespec_hook = True
+    return hooks
+
+
+def hook_types() -> dict:
+    """target -> SGLang ``HookType`` of each hook in ``make_hooks``."""
+    from sglang.srt.plugins.hook_registry import HookType
+
+    types_ = {target: HookType.AROUND for target in HOOK_TARGETS}
+    types_[FINISH_TARGET] = HookType.BEFORE
+    types_[ANNOUNCE_TARGET] = HookType.AFTER
+    return types_
 
 
 def _already_registered(registry) -> bool:
@@ -257,10 +461,11 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
     """SGLang plugin entry point: register safespec's hooks with ``HookRegistry``.
 
     The policy is ``nan_policy`` if given, else ``$SAFESPEC_NAN_POLICY``, else
-    ``sanitize``. ``off`` registers nothing. Every target is resolved first; if one
+    ``guard``. ``off`` registers nothing. Every target is resolved first; if one
     is missing, raises ``SGLangPluginError`` naming it and registers nothing
     (SGLang's ``load_plugins`` logs the error and serves without the plugin).
-    Calling it again in the same process is a no-op.
+    Calling it again in the same process is a no-op. The policy line is logged by
+    each scheduler once SGLang configured its logging (``announce``).
 
     Returns the shared ``PluginState``, or None when nothing was registered.
     """
@@ -270,10 +475,10 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
         return None
     check_compatibility()
     from sglang.srt.environ import envs
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
     if _already_registered(HookRegistry):
-        logger.info("safespec SGLang plugin: hooks already registered")
+        logger.debug("safespec SGLang plugin: hooks already registered")
         return None
     if envs.SGLANG_ENABLE_NAN_LOGITS_CHECK.get():
         logger.warning(
@@ -282,9 +487,8 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
             policy.value,
         )
     state = PluginState(policy=policy)
-    hooks = make_hooks(state)
-    for target, hook in hooks.items():
-        hook_type = HookType.BEFORE if target == FINISH_TARGET else HookType.AROUND
-        HookRegistry.register(target, hook, hook_type)
-    logger.info("safespec SGLang plugin: policy %s on %s", policy.value, ", ".join(HOOK_TARGETS))
+    types_ = hook_types()
+    for target, hook in make_hooks(state).items():
+        HookRegistry.register(target, hook, types_[target])
+    logger.debug("safespec SGLang plugin: policy %s on %s", policy.value, ", ".join(HOOK_TARGETS))
     return state

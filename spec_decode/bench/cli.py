@@ -1,4 +1,7 @@
-"""Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile] [OPTIONS]``."""
+"""Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile | tune] [OPTIONS]``.
+
+Bad input exits with status 2 and a one-line message naming the option (argparse's ``error``).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,13 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_KEYS, BenchConfig,
-                                      default_fixtures_dir)
+                                      BenchInputError, default_fixtures_dir)
 
-SUBCOMMANDS = ("numerics", "gpu-check", "profile")
+SUBCOMMANDS = ("numerics", "gpu-check", "profile", "tune")
 
 
-def _csv(kind):
+def csv_list(kind):
+    """An argparse type: a comma list of ``kind`` as a tuple (blank items dropped)."""
     def parse(text: str):
         items = [s.strip() for s in text.split(",") if s.strip()]
         try:
@@ -30,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spec-bench",
         description="Compare autoregressive, HF generate/assisted and our speculative methods side by side; "
                     "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
-                    "'spec-bench gpu-check -h', 'spec-bench profile -h'.")
+                    "'spec-bench gpu-check -h', 'spec-bench profile -h', 'spec-bench tune -h'.")
     p.add_argument("--target", type=Path, default=fx / "models/tiny-target", help="HF-layout target checkpoint")
     p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft",
                    help="plain draft LM (draft_chain, hf_assisted)")
@@ -39,30 +43,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl", help="JSONL with 'token_ids' per line")
     p.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--methods", type=_csv(str), default=METHOD_KEYS, help=f"comma list of {','.join(METHOD_KEYS)}")
+    p.add_argument("--methods", type=csv_list(str), default=METHOD_KEYS, help=f"comma list of {','.join(METHOD_KEYS)}")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
-    p.add_argument("--dtype", type=_csv(str), default=None,
+    p.add_argument("--dtype", type=csv_list(str), default=None,
                    help="comma list of fp32,bf16; the first is the headline (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0), help="comma list (default 0,1)")
+    p.add_argument("--temperatures", type=csv_list(float), default=(0.0, 1.0), help="comma list (default 0,1)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call for our methods (default 1 = latency setting; HF is always 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's); use 1 on a busy machine")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--nan-rounds", type=int, default=3, help="rounds of the off/sanitize/abort comparison (0 = skip)")
+    p.add_argument("--nan-rounds", type=int, default=3,
+                   help="rounds of the off/sanitize/abort/guard comparison (0 = skip)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def resolve_device(name: str):
+    """The torch device of ``--device``; ValueError naming the option when it is not cpu or a present CUDA device."""
     import torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {name!r}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: spec-bench runs on cpu or cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
 
 
@@ -114,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "gpu-check":
         from spec_decode.bench.gpu_check import main as gpu_main
         return gpu_main(argv[1:])
+    if argv and argv[0] == "tune":
+        from spec_decode.bench.tune import main as tune_main
+        return tune_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -136,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _quiet_transformers() if needs_hf else contextlib.nullcontext():
             results = run_bench(cfg)
+    except BenchInputError as e:
+        parser.error(str(e))   # exits with status 2
+    except Exception:
+        if (Path(cfg.out) / "results.json").is_file():
+            print(f"spec-bench: failed; what was measured is in {Path(cfg.out) / 'results.json'}", file=sys.stderr)
+        raise
     finally:
         torch.set_num_threads(threads)   # main() may run inside another program (tests)
     print(markdown_table(results))

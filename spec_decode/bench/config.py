@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from spec_decode.fixtures import find_fixtures_dir
+
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
-METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle3_tree")
+METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
+               "eagle3_tree")
 DTYPE_NAMES = ("fp32", "bf16")
-NAN_MODES = ("off", "sanitize", "abort")
+NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 64
 
@@ -21,14 +25,15 @@ class MethodSpec:
     ``engine`` is ``"ours"`` (``SpecDecoder``) or ``"hf"`` (``transformers`` ``generate``);
     ``method`` is the ``SpecDecoder`` method; ``drafter`` names the checkpoint it needs
     (``"draft_lm"``, ``"eagle"``, ``"eagle3"`` or None). A chain is ``topk=1`` with
-    ``num_draft_tokens = num_steps + 1`` (root included).
+    ``num_draft_tokens = num_steps + 1`` (root included); ``num_steps="auto"`` lets the decoder
+    choose the depth per step.
     """
 
     key: str
     engine: str
     method: str | None = None
     drafter: str | None = None
-    num_steps: int | None = None
+    num_steps: int | str | None = None
     topk: int | None = None
     num_draft_tokens: int | None = None
 
@@ -40,25 +45,49 @@ class MethodSpec:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "key"}
 
 
+_EAGLE_TREE = MethodSpec("eagle_tree", "ours", "eagle", "eagle", 5, 4, 8)
 METHOD_SPECS = {
     "ar": MethodSpec("ar", "ours", "none"),
     "hf_generate": MethodSpec("hf_generate", "hf"),
     "hf_assisted": MethodSpec("hf_assisted", "hf", drafter="draft_lm"),
     "draft_chain": MethodSpec("draft_chain", "ours", "draft_model", "draft_lm", 4, 1, 5),
     "eagle_chain": MethodSpec("eagle_chain", "ours", "eagle", "eagle", 4, 1, 5),
-    "eagle_tree": MethodSpec("eagle_tree", "ours", "eagle", "eagle", 5, 4, 8),
+    "eagle_tree": _EAGLE_TREE,
+    # eagle_tree's shape, its depth chosen per step by the decoder (SpecDecoder(num_steps="auto"))
+    "eagle_auto": replace(_EAGLE_TREE, key="eagle_auto", num_steps="auto"),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 5, 4, 8),
 }
 
 
-def default_fixtures_dir() -> Path:
-    """The repository's ``fixtures/`` (``$SAFESPEC_FIXTURES_DIR`` wins), found relative to this file."""
-    import os
+DRAFTER_OPTIONS = {"draft_lm": "--draft-lm", "eagle": "--eagle", "eagle3": "--eagle3"}
+"""The command-line option of each drafter checkpoint (``MethodSpec.drafter`` -> option)."""
 
-    env = os.environ.get("SAFESPEC_FIXTURES_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "fixtures"
+
+class BenchInputError(ValueError):
+    """Bad input to ``spec-bench``; the message starts with the option at fault (the CLI exits with status 2)."""
+
+
+def default_fixtures_dir() -> Path:
+    """The shipped fixtures (``spec_decode.fixtures.find_fixtures_dir``), else ``./fixtures`` so that errors name it."""
+    return find_fixtures_dir() or Path("fixtures")
+
+
+def check_out_dir(path: Path, option: str = "--out") -> Path:
+    """Create the output directory ``path`` and check that a file can be written there.
+
+    Raises BenchInputError naming ``option`` when ``path`` is a file, lies under one, or is not writable.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise BenchInputError(f"{option} {path}: is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # os.access says yes to root even on a read-only mount: write a file to know.
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise BenchInputError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 @dataclass
@@ -113,24 +142,29 @@ class BenchConfig:
             raise ValueError(f"--target: no checkpoint directory at {self.target}")
         if not Path(self.prompts).is_file():
             raise ValueError(f"--prompts: no file at {self.prompts}")
-        with open(self.prompts) as f:
-            available = sum(1 for line in f if line.strip())
+        try:
+            with open(self.prompts, encoding="utf-8") as f:
+                available = sum(1 for line in f if line.strip())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--prompts: cannot read {self.prompts} as text ({e})") from None
         if self.num_prompts > available:
             raise ValueError(f"--num-prompts {self.num_prompts} exceeds the {available} prompts in {self.prompts}")
 
     def resolve_methods(self) -> tuple[str, ...]:
         """Drop methods whose drafter checkpoint is absent, recording why in ``skipped``."""
-        paths = {"draft_lm": self.draft_lm, "eagle": self.eagle, "eagle3": self.eagle3}
-        flags = {"draft_lm": "--draft-lm", "eagle": "--eagle", "eagle3": "--eagle3"}
         kept = []
         for key in self.methods:
             need = METHOD_SPECS[key].drafter
-            path = paths.get(need) if need else None
+            path = self.drafter_path(need) if need else None
             if need and (path is None or not Path(path).is_dir()):
-                self.skipped[key] = f"no {need} checkpoint ({flags[need]} {path})"
+                self.skipped[key] = f"no {need} checkpoint ({DRAFTER_OPTIONS[need]} {path})"
                 continue
             kept.append(key)
         return tuple(kept)
+
+    def drafter_path(self, name: str) -> Path | None:
+        """The checkpoint path of drafter ``name`` (``"draft_lm"``, ``"eagle"``, ``"eagle3"``)."""
+        return {"draft_lm": self.draft_lm, "eagle": self.eagle, "eagle3": self.eagle3}[name]
 
     def to_json(self) -> dict:
         d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -138,27 +172,34 @@ class BenchConfig:
         return json.loads(json.dumps(d, default=str))
 
 
-def load_prompts(path: Path, n: int, vocab_size: int) -> list[list[int]]:
-    """The first ``n + 1`` prompts' token ids (the extra one is the warm-up prompt when present).
+def load_prompts(path: Path, n: int, vocab_size: int, first: int = 0) -> list[list[int]]:
+    """Token ids of ``n + 1`` prompts from the ``first``-th on (the extra one is the warm-up prompt when present).
 
-    Raises ValueError naming the file when it holds fewer than ``n`` prompts, a line lacks
-    ``token_ids`` or an id lies outside ``[0, vocab_size)``.
+    Raises BenchInputError (a ValueError) naming ``--prompts`` and the line when a line lacks
+    ``token_ids`` or an id lies outside ``[0, vocab_size)``, and naming ``--num-prompts`` when the
+    file holds fewer than ``first + n`` prompts.
     """
     prompts = []
-    with open(path) as f:
+    skip = first
+    with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 ids = json.loads(line)["token_ids"]
-            except (KeyError, TypeError, json.JSONDecodeError) as e:
-                raise ValueError(f"--prompts: {path}:{lineno} is not a JSON object with 'token_ids'") from e
-            if not ids or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
-                raise ValueError(f"--prompts: {path}:{lineno} has an empty prompt or ids outside "
-                                 f"[0, {vocab_size})")
+            except (KeyError, TypeError, json.JSONDecodeError):
+                raise BenchInputError(f"--prompts: {path}:{lineno} is not a JSON object with 'token_ids'") from None
+            if not isinstance(ids, list) or not ids or any(
+                    type(t) is not int or not 0 <= t < vocab_size for t in ids):   # type(): bool is no id
+                raise BenchInputError(f"--prompts: {path}:{lineno} 'token_ids' must be a non-empty list of ints in "
+                                      f"[0, {vocab_size}) (the target's vocabulary)")
+            if skip:
+                skip -= 1
+                continue
             prompts.append(ids)
             if len(prompts) > n:
                 break
     if len(prompts) < n:
-        raise ValueError(f"--num-prompts {n} exceeds the {len(prompts)} prompts in {path}")
+        where = f" from prompt {first} on" if first else ""
+        raise BenchInputError(f"--num-prompts {n} exceeds the {len(prompts)} prompts{where} in {path}")
     return prompts

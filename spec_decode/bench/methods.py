@@ -11,11 +11,23 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import MethodSpec
+from spec_decode.bench.config import DRAFTER_OPTIONS, BenchInputError, MethodSpec
 from spec_decode.bench.machine import Stopwatch
+from spec_decode.dtypes import torch_dtype
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-BENCH_NAN_POLICY = "sanitize"   # the library default, pinned so that $SAFESPEC_NAN_POLICY cannot move the numbers
+BENCH_NAN_POLICY = "guard"   # the library default, pinned so that $SAFESPEC_NAN_POLICY cannot move the numbers
+DRAFTER_METHODS = {"draft_lm": "draft_model", "eagle": "eagle", "eagle3": "eagle3"}
+"""``SpecDecoder`` method of each drafter checkpoint name (``MethodSpec.drafter``)."""
+LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError)
+"""What loading a bad checkpoint raises (missing/unreadable files, bad configs, mismatched shapes)."""
+
+
+def checked_load(option: str, path, load):
+    """``load()``, with a loading error turned into a BenchInputError that names ``option`` and ``path``."""
+    try:
+        return load()
+    except LOAD_ERRORS as e:
+        raise BenchInputError(f"{option} {path}: {e}") from e
 
 
 @dataclass
@@ -39,6 +51,15 @@ class OursRunner:
     def __init__(self, spec: MethodSpec, decoder, modules: tuple):
         self.spec, self.decoder, self.modules = spec, decoder, modules
 
+    def describe(self) -> dict:
+        """The method's settings as the decoder holds them (``num_steps`` may be ``"auto"``)."""
+        d = self.spec.describe()
+        if self.spec.speculative:
+            d.update(num_steps=self.decoder.num_steps, draft_sampling=self.decoder.draft_sampling)
+            if self.decoder.num_steps == "auto":
+                d["max_steps"] = self.decoder.max_steps
+        return d
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         with Stopwatch(self.decoder.target.device) as sw:
             results = self.decoder.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -58,6 +79,9 @@ class HFRunner:
     def __init__(self, spec: MethodSpec, model, assistant=None):
         self.spec, self.model, self.assistant = spec, model, assistant
         self.modules = (model,) if assistant is None else (model, assistant)
+
+    def describe(self) -> dict:
+        return self.spec.describe()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         out = CallResult()
@@ -85,7 +109,7 @@ class ModelCache:
     """Loads each checkpoint once per dtype and shares it between runners (the target especially)."""
 
     def __init__(self, cfg, dtype_name: str, device: torch.device):
-        self.cfg, self.dtype, self.device = cfg, DTYPES[dtype_name], device
+        self.cfg, self.dtype, self.device = cfg, torch_dtype(dtype_name), device
         self._models: dict[str, object] = {}
 
     def get(self, name: str):
@@ -94,20 +118,21 @@ class ModelCache:
         return self._models[name]
 
     def _load(self, name: str):
+        """Load checkpoint ``name``; a bad checkpoint raises BenchInputError naming its option."""
+        from spec_decode.eagle import load_drafter
         from spec_decode.model import Transformer
 
         cfg, dtype, device = self.cfg, self.dtype, self.device
         if name == "target":
-            return Transformer.from_pretrained(cfg.target, dtype=dtype, device=device)
-        if name == "draft_lm":
-            return Transformer.from_pretrained(cfg.draft_lm, dtype=dtype, device=device)
-        if name in ("eagle", "eagle3"):
-            from spec_decode.eagle import Eagle3Head, EagleHead
-
-            head_cls = EagleHead if name == "eagle" else Eagle3Head
-            return head_cls.from_pretrained(getattr(cfg, name), self.get("target"), dtype=dtype, device=device)
+            return checked_load("--target", cfg.target,
+                                lambda: Transformer.from_pretrained(cfg.target, dtype=dtype, device=device))
+        if name in DRAFTER_METHODS:
+            path, target = cfg.drafter_path(name), self.get("target")
+            return checked_load(DRAFTER_OPTIONS[name], path, lambda: load_drafter(
+                path, target, method=DRAFTER_METHODS[name], dtype=dtype, device=device))
         if name in ("hf_target", "hf_draft_lm"):
-            return _load_hf(cfg.target if name == "hf_target" else cfg.draft_lm, dtype, device)
+            option, path = ("--target", cfg.target) if name == "hf_target" else ("--draft-lm", cfg.draft_lm)
+            return checked_load(option, path, lambda: _load_hf(path, dtype, device))
         raise KeyError(name)
 
     def runner(self, spec: MethodSpec, nan_policy: str = BENCH_NAN_POLICY):

@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
+from spec_decode.dtypes import DTYPES as ALL_DTYPES
+
 ROWS_PER_REQUEST = 8
 DEFAULT_VOCABS = (32000, 151936)
 FULL_VOCABS = (32000, 128256, 151936)
 DEFAULT_ROWS = (8, 64)          # B = 1, 8
 FULL_ROWS = (8, 64, 256)        # B = 1, 8, 32
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {name: ALL_DTYPES[name] for name in ("bf16", "fp32")}   # the dtypes this micro-benchmark runs
 
 
 def sglang_style(x: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Tensor:

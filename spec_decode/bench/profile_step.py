@@ -1,10 +1,23 @@
-"""``spec-bench profile``: where one decoding step spends its time (cProfile over real ``generate`` calls).
+"""``spec-bench profile``: the split of one speculative step, in fractions of one autoregressive step.
 
-Prints milliseconds per verify step for the pipeline's stages (catch-up, drafting, target forward,
-verification, the NaN pass, the host copy, cache commits, bookkeeping), then the top functions by
-own time. Stage names are the pipeline's function names; a stage the pipeline no longer has is
-simply not listed. cProfile adds per-call overhead, so compare stages with each other, not with
-``spec-bench`` timings.
+For one of our methods it reports, per verify step, the time of each phase as a fraction of one
+``ar`` step (the same target, dtype and prompts, ``method="none"``): drafting (catch-up included),
+the verify forward, the verify walk (NaN pass and ``tree_verify``), bookkeeping, and whatever the
+phases leave out; then the cost of one drafter call in ``ar`` steps. Issue #13's bars read off it:
+a drafter call <= 0.08 ``ar`` steps, a chain-4 step without its drafting <= 1.3.
+
+It is keyed on public hooks only, so that a refactor cannot silently drop a stage:
+
+* ``SpecDecoder.phase_timer``: the decoder enters ``phase_timer(name)`` around each phase of a step,
+  with names from ``spec_decode.pipeline.PHASES``; here it is a ``PhaseClock``;
+* a forward pre-hook and a forward hook (``register_forward_pre_hook``, ``register_forward_hook``) on
+  the drafter module count and time its calls (``CallClock``);
+* ``SpecDecoder.last_stats.step_s`` (whole steps) and ``GenerationResult.accepted_lengths``.
+
+The ``ar`` and the speculative decoder run prompt by prompt, interleaved, after one warm-up call each,
+so that drift on a shared machine hits both alike. On CUDA every phase boundary synchronizes (the
+split is then exact, the step a little slower than in ``spec-bench``). ``--cprofile N`` adds, from a
+separate pass, the top ``N`` functions by own time.
 """
 
 from __future__ import annotations
@@ -12,124 +25,258 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import METHOD_SPECS, default_fixtures_dir
+from spec_decode.bench.config import METHOD_SPECS, BenchConfig, default_fixtures_dir, load_prompts
+from spec_decode.bench.machine import sync
 
-# (function name, file suffix, label), in pipeline order.
-STAGES = (
-    ("_spec_step", "pipeline.py", "whole speculative step"),
-    ("target_forward", "profile_step.py", "target forward (prefill, verify, ar step)"),
-    ("drafter_forward", "profile_step.py", "drafter forward (catch-up + drafting)"),
-    ("_ar_step", "pipeline.py", "whole autoregressive step"),
-    ("_catch_up", "pipeline.py", "catch-up: drafter on last step's tokens"),
-    ("draft_tree", "drafting.py", "drafting: tree expansion (incl. head forwards)"),
-    ("_select_tree", "drafting.py", "  of which: select/re-rank tree"),
-    ("_poison_kv", "pipeline.py", "fault hook (kv)"),
-    ("_nan_pass", "pipeline.py", "NaN count + sanitize pass"),
-    ("tree_verify", "tree.py", "tree_verify (sampler)"),
-    ("_to_host", "pipeline.py", "host copy (the step's one sync)"),
-    ("commit", "model.py", "KVCache.commit (target + drafter)"),
-    ("features", "pipeline.py", "drafter features"),
-    ("_finish_step", "pipeline.py", "bookkeeping: policy, append, finish"),
-    ("keep", "pipeline.py", "drop finished rows"),
-)
+AR_STEP = "ar_step"
+UNACCOUNTED = "unaccounted"
 
 
-def _wrap_forward(module, name: str) -> None:
-    """Route ``module``'s forward through a function named ``name`` so that cProfile reports it apart.
+class PhaseClock:
+    """A ``phase_timer``: ``with clock(name): ...`` adds the block's wall seconds to ``seconds[name]``.
 
-    The wrapper is an instance attribute (``nn.Module.__call__`` looks ``forward`` up on the instance),
-    so only this decoder's module is affected.
+    Time is exclusive: a phase entered inside another pauses the outer one, so phases never count
+    twice. ``clock`` is the time source (``time.perf_counter``; tests pass a fake). On CUDA each
+    boundary synchronizes ``device`` so that queued kernels land in the phase that launched them.
     """
-    inner = module.forward
 
-    def wrapper(*args, **kwargs):
-        return inner(*args, **kwargs)
+    def __init__(self, device: torch.device | None = None, clock=time.perf_counter):
+        self.device, self.clock = device, clock
+        self.seconds: dict[str, float] = {}
+        self.entries: dict[str, int] = {}
+        self._stack: list[list] = []   # [name, start of the running part]
 
-    wrapper.__code__ = wrapper.__code__.replace(co_name=name)
-    module.forward = wrapper
+    @contextmanager
+    def __call__(self, name: str):
+        now = self._now()
+        if self._stack:
+            self._pause(self._stack[-1], now)
+        self._stack.append([name, now])
+        self.entries[name] = self.entries.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            now = self._now()
+            self._pause(self._stack.pop(), now)
+            if self._stack:
+                self._stack[-1][1] = now
+
+    def _now(self) -> float:
+        if self.device is not None:
+            sync(self.device)
+        return self.clock()
+
+    def _pause(self, frame: list, now: float) -> None:
+        name, start = frame
+        self.seconds[name] = self.seconds.get(name, 0.0) + (now - start)
 
 
-def profile_method(key: str, cfg_paths: dict, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype,
-                   top: int = 20) -> str:
-    """Profile greedy ``generate`` of method ``key`` over ``prompts`` (one call each); return the report text."""
-    from spec_decode.pipeline import SpecDecoder
+class CallClock:
+    """Counts and times the calls of one module through its public forward hooks.
 
-    spec = METHOD_SPECS[key]
-    if spec.engine != "ours":
-        raise ValueError(f"--method: profile covers our methods only, got {key!r}")
-    draft = cfg_paths.get(spec.drafter) if spec.drafter else None
-    tree = {} if spec.drafter is None else dict(num_steps=spec.num_steps, topk=spec.topk,
-                                                num_draft_tokens=spec.num_draft_tokens)
-    dec = SpecDecoder.from_pretrained(cfg_paths["target"], draft, method=spec.method, dtype=dtype,
-                                      nan_policy="sanitize", **tree)
-    _wrap_forward(dec.target, "target_forward")
-    if dec.drafter is not None:
-        _wrap_forward(dec.drafter.module, "drafter_forward")
-    dec.generate(prompts[:1], max_new_tokens=max_new_tokens)   # warm-up
-    prof = cProfile.Profile()
-    accepted = []
-    t0 = time.perf_counter()
-    prof.enable()
-    for p in prompts:
-        accepted += dec.generate([p], max_new_tokens=max_new_tokens)[0].accepted_lengths
-    prof.disable()
-    wall = time.perf_counter() - t0
-    steps = max(1, len(accepted))
-    stats = pstats.Stats(prof)
-    lines = [f"{key}: {len(prompts)} prompts x {max_new_tokens} tokens, {steps} steps, "
-             f"mean accepted length {sum(accepted) / steps:.2f}, {wall / steps * 1e3:.2f} ms/step under cProfile"]
-    found = {}
-    for (file, _line, fn), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
-        for name, suffix, label in STAGES:
-            if fn == name and file.endswith(suffix):
-                n, c = found.get(label, (0, 0.0))
-                found[label] = (n + nc, c + ct)
-    for _name, _suffix, label in STAGES:
-        if label in found:
-            n, ct = found[label]
-            lines.append(f"  {label:48s} {ct * 1e3 / steps:8.3f} ms/step {ct / wall * 100:6.1f}%  ({n} calls)")
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    lines.append(buf.getvalue())
+    ``attach(module)`` registers a forward pre-hook and a forward hook; ``detach()`` removes them.
+    ``calls`` and ``seconds`` accumulate over every call while attached.
+    """
+
+    def __init__(self, device: torch.device | None = None, clock=time.perf_counter):
+        self.device, self.clock = device, clock
+        self.calls, self.seconds = 0, 0.0
+        self._handles: list = []
+        self._start: float | None = None
+
+    def attach(self, module: torch.nn.Module) -> "CallClock":
+        self._handles = [module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after)]
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _now(self) -> float:
+        if self.device is not None:
+            sync(self.device)
+        return self.clock()
+
+    def _before(self, module, args) -> None:
+        self._start = self._now()
+
+    def _after(self, module, args, output) -> None:
+        self.seconds += self._now() - self._start
+        self.calls += 1
+
+
+def profile_split(decoder, ar_decoder, drafter_module: torch.nn.Module | None, prompts: list[list[int]],
+                  max_new_tokens: int, *, phases: tuple[str, ...], temperature: float = 0.0, seed: int = 0,
+                  device: torch.device | None = None, clock=time.perf_counter) -> dict:
+    """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``prompts``; return the split.
+
+    ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored.
+    Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
+    Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
+    ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
+    ``"unaccounted"``: the step minus its phases), ``step_ar_steps``, ``step_without_drafting_ar_steps``,
+    ``drafter_calls_per_step``, ``drafter_call_ms``, ``drafter_call_ar_steps`` (None without a drafter).
+    """
+    if not hasattr(decoder, "phase_timer"):
+        raise TypeError(f"{type(decoder).__name__} has no phase_timer hook; spec-bench profile needs a SpecDecoder "
+                        "that times its phases (spec_decode.pipeline.PHASES)")
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
+                    seed=seed if temperature > 0 else None)
+    for dec in (ar_decoder, decoder):   # warm-up
+        dec.generate(prompts[:1], **sampling)
+    phase_clock, call_clock = PhaseClock(device, clock), CallClock(device, clock)
+    previous = decoder.phase_timer
+    ar_steps, steps, accepted = [], [], []
+    try:
+        decoder.phase_timer = phase_clock
+        if drafter_module is not None:
+            call_clock.attach(drafter_module)
+        for p in prompts:
+            ar_decoder.generate([p], **sampling)
+            ar_steps += ar_decoder.last_stats.step_s
+            results = decoder.generate([p], **sampling)
+            steps += decoder.last_stats.step_s
+            accepted += [n for r in results for n in r.accepted_lengths]
+    finally:
+        decoder.phase_timer = previous
+        call_clock.detach()
+    return _split(phases, phase_clock.seconds, call_clock, ar_steps, steps, accepted, drafter_module is not None)
+
+
+def _split(phases, phase_seconds: dict, calls: CallClock, ar_steps: list, steps: list, accepted: list,
+           has_drafter: bool) -> dict:
+    n = max(1, len(steps))
+    ar = sum(ar_steps) / max(1, len(ar_steps))
+    step = sum(steps) / n
+    phase_ms = {name: phase_seconds.get(name, 0.0) / n * 1e3 for name in phases}
+    phase_ms.update({name: s / n * 1e3 for name, s in phase_seconds.items() if name not in phase_ms})
+    phase_ms[UNACCOUNTED] = step * 1e3 - sum(phase_ms.values())
+    frac = {name: ms / (ar * 1e3) if ar > 0 else None for name, ms in phase_ms.items()}
+    call_s = calls.seconds / calls.calls if calls.calls else None
+    return {
+        "ar_step_ms": ar * 1e3,
+        "step_ms": step * 1e3,
+        "steps": len(steps),
+        "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None,
+        "phase_ms": phase_ms,
+        "ar_steps": frac,
+        "step_ar_steps": step / ar if ar > 0 else None,
+        "step_without_drafting_ar_steps": (step * 1e3 - phase_ms.get("drafting", 0.0)) / (ar * 1e3) if ar > 0 else None,
+        "drafter_calls_per_step": calls.calls / n if has_drafter else None,
+        "drafter_call_ms": None if call_s is None else call_s * 1e3,
+        "drafter_call_ar_steps": None if call_s is None or ar <= 0 else call_s / ar,
+    }
+
+
+def format_split(title: str, split: dict) -> str:
+    """The split as a text table (ms per step and fractions of one ``ar`` step)."""
+    def num(v, spec=".3f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = [title,
+             f"one ar step: {num(split['ar_step_ms'])} ms; speculative step: {num(split['step_ms'])} ms = "
+             f"{num(split['step_ar_steps'], '.2f')} ar steps; {split['steps']} steps, mean accepted length "
+             f"{num(split['mean_accepted_length'], '.2f')}",
+             f"  {'phase':34s} {'ms/step':>9s} {'ar steps':>9s}"]
+    for name, ms in split["phase_ms"].items():
+        label = {"verify_walk": "verify_walk (incl. NaN pass)", "drafting": "drafting (incl. catch-up)",
+                 UNACCOUNTED: "unaccounted (step minus phases)"}.get(name, name)
+        lines.append(f"  {label:34s} {ms:9.3f} {num(split['ar_steps'][name], '9.3f')}")
+    lines.append(f"  {'step without drafting':34s} {'':9s} {num(split['step_without_drafting_ar_steps'], '9.3f')}")
+    if split["drafter_calls_per_step"] is not None:
+        lines.append(f"  one drafter call: {num(split['drafter_call_ms'])} ms = "
+                     f"{num(split['drafter_call_ar_steps'])} ar steps ({split['drafter_calls_per_step']:.2f} calls "
+                     "per step)")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from spec_decode.bench.config import load_prompts
-    from spec_decode.model import ModelConfig
+def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: int) -> str:
+    """cProfile of greedy ``generate`` over ``prompts`` (one call each): the top ``top`` functions by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for p in prompts:
+        decoder.generate([p], max_new_tokens=max_new_tokens)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
+
+def build_parser() -> argparse.ArgumentParser:
     fx = default_fixtures_dir()
+    ours = [k for k, s in METHOD_SPECS.items() if s.speculative]
     p = argparse.ArgumentParser(prog="spec-bench profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", default="eagle_tree", help="ar, draft_chain, eagle_chain, eagle_tree, eagle3_tree")
+    p.add_argument("--method", default="eagle_chain", help=f"one of {','.join(ours)} (default eagle_chain)")
     p.add_argument("--target", type=Path, default=fx / "models/tiny-target")
     p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft")
     p.add_argument("--eagle", type=Path, default=fx / "models/tiny-eagle")
     p.add_argument("--eagle3", type=Path, default=fx / "models/tiny-eagle3")
     p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl")
-    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (use 1 on a busy machine)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also print the top N functions by own time, from a separate cProfile pass")
+    p.add_argument("--json", type=Path, default=None, help="also write the split to this JSON file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec_decode import pipeline
+    from spec_decode.bench.cli import resolve_device
+    from spec_decode.bench.config import BenchInputError
+    from spec_decode.bench.methods import ModelCache
+    from spec_decode.bench.run import check_inputs
+
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.method not in METHOD_SPECS or METHOD_SPECS[args.method].engine != "ours":
-        p.error(f"--method: expected one of our methods, got {args.method!r}")
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        p.error("--num-prompts and --max-new-tokens must be >= 1")
-    vocab = ModelConfig.from_pretrained(args.target).vocab_size
-    prompts = load_prompts(args.prompts, args.num_prompts, vocab)[:args.num_prompts]
-    paths = {"target": args.target, "draft_lm": args.draft_lm, "eagle": args.eagle, "eagle3": args.eagle3}
-    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    spec = METHOD_SPECS.get(args.method)
+    if spec is None or not spec.speculative:
+        p.error(f"--method: expected one of our speculative methods, got {args.method!r}")
+    try:
+        device = resolve_device(args.device)
+        cfg = BenchConfig(target=args.target, draft_lm=args.draft_lm, eagle=args.eagle, eagle3=args.eagle3,
+                          prompts=args.prompts, methods=("ar", args.method), num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), dtypes=(args.dtype,),
+                          threads=args.threads, device=str(device), nan_rounds=0)
+        if cfg.resolve_methods() != ("ar", args.method):
+            raise BenchInputError(f"--method {args.method}: {cfg.skipped[args.method]}")
+        vocab = check_inputs(cfg, ("ar", args.method))
+        prompts = load_prompts(cfg.prompts, cfg.num_prompts, vocab)[:cfg.num_prompts]
+        models = ModelCache(cfg, args.dtype, device)
+        runner, ar = models.runner(spec), models.runner(METHOD_SPECS["ar"])
+    except ValueError as e:   # BenchInputError and BenchConfig's checks name the option
+        p.error(str(e))
     threads = torch.get_num_threads()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        print(profile_method(args.method, paths, prompts, args.max_new_tokens, dtype))
+        split = profile_split(runner.decoder, ar.decoder, runner.modules[1], prompts, args.max_new_tokens,
+                              phases=pipeline.PHASES, temperature=args.temperature, seed=cfg.seed, device=device)
+        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {args.dtype}, "
+                 f"temperature {args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+                 f"{torch.get_num_threads()} thread(s)")
+        print(format_split(title, split))
+        if args.json is not None:
+            args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": args.dtype,
+                                             "temperature": args.temperature, "num_prompts": len(prompts),
+                                             "max_new_tokens": args.max_new_tokens, **split}, indent=2))
+        if args.cprofile > 0:
+            print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile))
     finally:
         torch.set_num_threads(threads)
     return 0

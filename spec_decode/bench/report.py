@@ -96,8 +96,8 @@ def markdown_table(results: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     nan = results.get("nan_policy_overhead_pct", {})
     lines.append("")
-    lines.append(f"NaN policy overhead (EAGLE tree, % of step time vs off): sanitize {_fmt(nan.get('sanitize'))}, "
-                 f"abort {_fmt(nan.get('abort'))}")
+    lines.append("NaN policy overhead (EAGLE tree, % of step time vs off): "
+                 + ", ".join(f"{m} {_fmt(v)}" for m, v in nan.items()))
     detail = results.get("nan_policy", {})
     if "nan_pass_ms" in detail:
         lines.append(f"numerics pass alone at the verify shape: {detail['nan_pass_ms']:.3f} ms = "
@@ -110,3 +110,34 @@ def results_headline_temp(results: dict) -> float:
         if "headline_temperature" in e:
             return e["headline_temperature"]
     return 0.0
+
+
+def plot_tune(results: dict, path: Path) -> None:
+    """Write the figure of ``spec-bench tune``: one panel per temperature, tokens/s over ``ar`` per
+    shape (chains and trees in two colours, the best shape outlined), mean accepted length on each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)   # no display needed; a no-op when a backend is already set
+    import matplotlib.pyplot as plt
+
+    temps = list(results["by_temperature"])
+    fig, axes = plt.subplots(max(1, len(temps)), 1, figsize=(11, 3.6 * max(1, len(temps))), squeeze=False)
+    for ax, t in zip(axes[:, 0], temps):
+        r = results["by_temperature"][t]
+        keys = list(r["shapes"])
+        vals = [r["shapes"][k]["speedup_vs_ar"] or 0.0 for k in keys]
+        colors = ["tab:orange" if r["shapes"][k]["chain"] else "tab:blue" for k in keys]
+        bars = ax.bar(range(len(keys)), vals, color=colors,
+                      edgecolor=["black" if k == r["best"] else "none" for k in keys], linewidth=2)
+        ax.bar_label(bars, labels=[_fmt(r["shapes"][k]["mean_accepted_length"]) for k in keys], fontsize=7)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s over ar")
+        ax.set_title(f"temperature {t}: best {r['best']} (orange: chains, blue: trees; "
+                     "bar labels: mean accepted length)", fontsize=9)
+    cfg, m = results["config"], results["machine"]
+    fig.suptitle(f"spec-bench tune  {cfg['method']}, {cfg['dtype']}, {cfg['num_prompts']} prompts x "
+                 f"{cfg['max_new_tokens']} tokens  {m['date']}  {m['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import METHOD_SPECS, NAN_MODES, BenchConfig, load_prompts
+from spec_decode.bench.config import (DRAFTER_OPTIONS, METHOD_SPECS, NAN_MODES, BenchConfig, BenchInputError,
+                                      check_out_dir, load_prompts)
 from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync, weight_bytes
-from spec_decode.bench.methods import ModelCache
+from spec_decode.bench.methods import DRAFTER_METHODS, ModelCache, checked_load
 
 CONTRACT_KEYS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf_generate", "mean_accepted_length",
                  "p50_step_ms", "p90_step_ms", "peak_mem_mb", "greedy_equals_ar")
@@ -37,28 +39,86 @@ def temp_key(t: float) -> str:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    """Run the benchmark described by ``cfg``; write ``results.json`` and ``results.png``; return the results."""
+    """Run the benchmark described by ``cfg``; write ``results.json`` and ``results.png``; return the results.
+
+    Bad input raises BenchInputError naming the option before anything is measured (``check_inputs``).
+    ``results.json`` is rewritten after every stage; when a later stage fails, it keeps what the
+    earlier ones measured plus ``"error"`` (the exception's type and message), and the error propagates.
+    """
     from tqdm.auto import tqdm
 
+    out = check_out_dir(cfg.out)
     device = torch.device(cfg.device)
     keys = cfg.resolve_methods()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if not keys:
+        why = "; ".join(f"{k}: {r}" for k, r in cfg.skipped.items())
+        raise BenchInputError(f"--methods: every requested method was skipped ({why})")
+    check_inputs(cfg, keys)
     results = {"machine": machine_info(device), "config": _config_json(cfg, keys)}
     total = len(cfg.dtypes) * _work_units(cfg, keys)
-    with tqdm(total=total, desc="spec-bench", unit="call", disable=not cfg.progress) as bar:
-        for i, dname in enumerate(cfg.dtypes):
-            part = run_one_dtype(cfg, keys, dname, device, bar)
-            if i == 0:
-                results.update(part)
-            else:
-                results.setdefault("by_dtype", {})[dname] = part
-    with open(out / "results.json", "w") as f:
-        json.dump(_finite(results), f, indent=2)
+    try:
+        with tqdm(total=total, desc="spec-bench", unit="call", disable=not cfg.progress) as bar:
+            for i, dname in enumerate(cfg.dtypes):
+                part = results if i == 0 else results.setdefault("by_dtype", {}).setdefault(dname, {})
+                run_one_dtype(cfg, keys, dname, device, Sink(results, part, out, bar))
+    except BaseException as e:   # KeyboardInterrupt too: keep what was measured
+        results["error"] = {"type": type(e).__name__, "message": str(e)}
+        write_results(results, out)
+        raise
+    write_results(results, out)
     from spec_decode.bench.report import plot_results
 
     plot_results(results, out / "results.png")
     return results
+
+
+@dataclass
+class Sink:
+    """Where one dtype's numbers go: ``part`` (inside ``results``), saved to ``out`` by ``save()``."""
+
+    results: dict
+    part: dict
+    out: Path
+    bar: object   # a tqdm bar: ``update(n)``
+
+    def save(self) -> None:
+        write_results(self.results, self.out)
+
+
+def write_results(results: dict, out: Path, name: str = "results.json") -> None:
+    """Write ``out/name`` (NaN/Inf as null), replacing the file only once the new one is complete."""
+    tmp = out / (name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_finite(results), f, indent=2)
+    tmp.replace(out / name)
+
+
+def check_inputs(cfg: BenchConfig, keys) -> int:
+    """Check every input the run will read before anything runs; return the target's vocabulary size.
+
+    Reads the configs and the weight files' headers (``read_key_names``; a truncated safetensors
+    file fails there) of the target and of every drafter the methods and the NaN stage need, checks
+    each drafter's layout against its option (``drafter_layout``), then reads the prompts. Raises
+    BenchInputError naming the option at fault.
+    """
+    from spec_decode.checkpoint import read_key_names
+    from spec_decode.eagle import drafter_layout
+    from spec_decode.model import ModelConfig
+
+    def check(option: str, path, read_keys=read_key_names):
+        config = checked_load(option, path, lambda: ModelConfig.from_pretrained(path))
+        return config, checked_load(option, path, lambda: read_keys(path))
+
+    vocab = check("--target", cfg.target)[0].vocab_size
+    drafters = {METHOD_SPECS[k].drafter for k in keys} | ({"eagle"} if _nan_stage_runs(cfg) else set())
+    for name in sorted(drafters - {None}):
+        option, path = DRAFTER_OPTIONS[name], cfg.drafter_path(name)
+        layout = check(option, path, drafter_layout)[1]
+        if layout != DRAFTER_METHODS[name]:
+            raise BenchInputError(f"{option} {path}: holds a {layout!r} drafter, {option} takes a "
+                                  f"{DRAFTER_METHODS[name]!r} one")
+    load_prompts(Path(cfg.prompts), cfg.num_prompts, vocab)
+    return vocab
 
 
 def _work_units(cfg: BenchConfig, keys) -> int:
@@ -95,8 +155,13 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
     return d
 
 
-def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device, bar) -> dict:
-    """All methods at every temperature in one dtype, then the NaN-policy stage. Returns the dtype's results."""
+def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device, sink: Sink) -> None:
+    """All methods at every temperature in one dtype, then the NaN-policy stage, into ``sink.part``.
+
+    ``sink.save()`` runs after each stage, so that a failing later stage loses nothing measured.
+    ``config.method_configs`` gets each decoder's settings as it reads them (``num_steps``, ``draft_sampling``).
+    """
+    part, bar = sink.part, sink.bar
     models = ModelCache(cfg, dtype_name, device)
     vocab = models.get("target").config.vocab_size
     prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, vocab)
@@ -104,13 +169,13 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
     warm = prompts[cfg.num_prompts] if len(prompts) > cfg.num_prompts else prompts[0]
     batches = [measured[i:i + cfg.batch_size] for i in range(0, len(measured), cfg.batch_size)]
     runners = {k: models.runner(METHOD_SPECS[k]) for k in keys}
+    sink.results["config"]["method_configs"].update({k: runners[k].describe() for k in keys})
     weights = {k: weight_bytes(*runners[k].modules) for k in keys}
 
     warm_batch = {k: [warm] if METHOD_SPECS[k].engine == "hf" else [warm] * cfg.batch_size for k in keys}
     by_temp: dict[str, dict] = {}
     runtime_mem: dict[str, int] = {}
     for temp in cfg.temperatures:
-        calls = {k: [] for k in keys}
         for k in keys:   # warm-up
             runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
             bar.update(1)
@@ -122,18 +187,15 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
                     runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
                 runtime_mem[k] = mem.peak_increase
                 bar.update(1)
-        for b, batch in enumerate(batches):
-            for k in _rotate(keys, b):
-                calls[k].append(runners[k].generate(batch, cfg.max_new_tokens, temp, cfg.seed * 100003 + b))
-                bar.update(1)
+        calls = measure_interleaved(runners, batches, cfg.max_new_tokens, temp, cfg.seed, bar)
         by_temp[temp_key(temp)] = _summarize(keys, calls, temp, weights, runtime_mem)
 
-    methods = _assemble(cfg, keys, by_temp)
-    part = {"dtype": dtype_name, "methods": methods}
+    part.update({"dtype": dtype_name, "methods": _assemble(cfg, keys, by_temp)})
+    sink.save()
     part.update(nan_policy_stage(cfg, models, batches, device, bar) if _nan_stage_runs(cfg)
-                else {"nan_policy_overhead_pct": {"sanitize": None, "abort": None},
+                else {"nan_policy_overhead_pct": {m: None for m in NAN_MODES if m != "off"},
                       "nan_policy": {"skipped": "no EAGLE head or --nan-rounds 0"}})
-    return part
+    sink.save()
 
 
 def _rotate(seq, n: int):
@@ -148,41 +210,72 @@ def percentile(values, q: float) -> float | None:
     return torch.tensor(values, dtype=torch.float64).quantile(q).item()
 
 
+def measure_interleaved(runners: dict, batches, max_new_tokens: int, temperature: float, seed: int,
+                        bar=None) -> dict:
+    """One ``generate`` call per runner and prompt batch, interleaved: batch b of every runner, then
+    batch b + 1, the runner order rotated per batch (the module docstring says why).
+
+    Batch b is seeded ``seed * 100003 + b`` for every runner. Returns runner key -> list of CallResult.
+    """
+    calls = {k: [] for k in runners}
+    for b, batch in enumerate(batches):
+        for k in _rotate(tuple(runners), b):
+            calls[k].append(runners[k].generate(batch, max_new_tokens, temperature, seed * 100003 + b))
+            if bar is not None:
+                bar.update(1)
+    return calls
+
+
+def summarize_calls(calls) -> dict:
+    """Speed and acceptance of one runner's measured calls (a list of CallResult).
+
+    ``tokens_per_s`` = generated tokens / summed call seconds; ``mean_accepted_length`` over all
+    verify steps (None for non-speculative runners); step percentiles in ms.
+    """
+    n_tok = sum(len(t) for c in calls for t in c.tokens)
+    secs = sum(c.seconds for c in calls)
+    accepted = [a for c in calls for a in c.accepted_lengths]
+    steps = [s for c in calls for s in c.step_s]
+    p50, p90 = percentile(steps, 0.5), percentile(steps, 0.9)
+    return {
+        "tokens_per_s": n_tok / secs if secs > 0 else None,
+        "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None,
+        "p50_step_ms": None if p50 is None else p50 * 1e3,
+        "p90_step_ms": None if p90 is None else p90 * 1e3,
+        "generated_tokens": n_tok,
+        "wall_s": secs,
+        "num_verify_steps": len(accepted) if accepted else None,
+        "accepted_length_hist": _hist(accepted),
+    }
+
+
 def _summarize(keys, calls, temp: float, weights, runtime_mem) -> dict:
-    """Per-method numbers at one temperature (speedups filled in by ``_add_speedups``)."""
+    """Per-method numbers at one temperature (speedups filled in by ``add_speedups``)."""
     stats = {}
     ar_tokens = [t for c in calls["ar"] for t in c.tokens] if "ar" in calls else None
     for k in keys:
-        cs = calls[k]
-        tokens = [t for c in cs for t in c.tokens]
-        n_tok = sum(len(t) for t in tokens)
-        secs = sum(c.seconds for c in cs)
-        accepted = [a for c in cs for a in c.accepted_lengths]
-        steps = [s for c in cs for s in c.step_s]
+        tokens = [t for c in calls[k] for t in c.tokens]
         equal = None
         mismatched = None
         if temp == 0 and ar_tokens is not None:
             mismatched = sum(a != b for a, b in zip(tokens, ar_tokens))
             equal = mismatched == 0
-        p50, p90 = percentile(steps, 0.5), percentile(steps, 0.9)
+        speed = summarize_calls(calls[k])
         stats[k] = {
-            "tokens_per_s": n_tok / secs if secs > 0 else None,
+            "tokens_per_s": speed["tokens_per_s"],
             "speedup_vs_ar": None,
             "speedup_vs_hf_generate": None,
-            "mean_accepted_length": sum(accepted) / len(accepted) if accepted else None,
-            "p50_step_ms": None if p50 is None else p50 * 1e3,
-            "p90_step_ms": None if p90 is None else p90 * 1e3,
+            "mean_accepted_length": speed["mean_accepted_length"],
+            "p50_step_ms": speed["p50_step_ms"],
+            "p90_step_ms": speed["p90_step_ms"],
             "peak_mem_mb": (weights[k] + runtime_mem.get(k, 0)) / MB,
             "greedy_equals_ar": equal,
             "greedy_mismatched_prompts": mismatched,
-            "generated_tokens": n_tok,
-            "wall_s": secs,
-            "num_verify_steps": len(accepted) if accepted else None,
-            "accepted_length_hist": _hist(accepted),
+            **{n: speed[n] for n in ("generated_tokens", "wall_s", "num_verify_steps", "accepted_length_hist")},
             "weights_mb": weights[k] / MB,
             "runtime_mem_mb": runtime_mem.get(k, 0) / MB,
         }
-    _add_speedups(stats)
+    add_speedups(stats)
     return stats
 
 
@@ -193,7 +286,9 @@ def _hist(values) -> dict[str, int] | None:
     return {str(n): values.count(n) for n in range(1, max(values) + 1)}
 
 
-def _add_speedups(stats: dict) -> None:
+def add_speedups(stats: dict) -> None:
+    """Fill ``speedup_vs_ar`` / ``speedup_vs_hf_generate`` of every entry of ``stats`` (key -> numbers)
+    from the tokens/s of the ``ar`` / ``hf_generate`` entries, where those ran."""
     for ref, name in (("ar", "speedup_vs_ar"), ("hf_generate", "speedup_vs_hf_generate")):
         base = stats.get(ref, {}).get("tokens_per_s")
         for s in stats.values():

@@ -1,4 +1,5 @@
-"""nan_counts_per_request: the Triton kernel against the torch reference, bit for bit.
+"""nonfinite_counts_per_request / nan_counts_per_request: the Triton kernel against the torch
+reference, bit for bit (NaN, Inf and dead-row counts, and the sanitized logits).
 
 On CPU-only machines the kernel runs under TRITON_INTERPRET=1 (set in conftest).
 Big vocabularies get few rows: the interpreter is slow.
@@ -7,9 +8,9 @@ Big vocabularies get few rows: the interpreter is slow.
 import pytest
 import torch
 
-from numerics import nan_counts_per_request
+from numerics import NonfiniteCounts, dead_row_mask, nan_counts_per_request, nonfinite_counts_per_request
 from numerics import _triton_counts
-from numerics.counts import _nan_counts_reference, _pick_backend
+from numerics.counts import _nan_counts_reference, _nonfinite_counts_reference, _pick_backend
 from numerics_testutil import DEVICE, assert_same_bits
 
 NAN, INF = float("nan"), float("inf")
@@ -17,10 +18,11 @@ KERNEL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _corrupt(x: torch.Tensor) -> torch.Tensor:
-    """Cycle NaN/Inf patterns over the rows: first/middle/last column, whole row, Inf mixed, huge."""
+    """Cycle NaN/Inf patterns over the rows: first/middle/last column, whole row, Inf mixed, huge,
+    dead rows of mixed NaN/Inf and of Inf alone, and a row whose only finite value is its last."""
     vocab = x.shape[1]
     for r in range(x.shape[0]):
-        kind = r % 7
+        kind = r % 10
         if kind == 0:
             x[r, 0] = NAN
         elif kind == 1:
@@ -35,6 +37,13 @@ def _corrupt(x: torch.Tensor) -> torch.Tensor:
             x[r, vocab // 3] = NAN
         elif kind == 5:
             x[r, ::2] = torch.finfo(x.dtype).max  # finite but beyond the bound (except fp16)
+        elif kind == 7:
+            x[r, ::2] = NAN  # dead: NaN and Inf, no finite value
+            x[r, 1::2] = -INF
+        elif kind == 8:
+            x[r, :] = INF  # dead without any NaN
+        elif kind == 9 and vocab > 1:
+            x[r, :-1] = NAN  # alive: its only finite value is the last column
         # kind 6: clean row
     return x
 
@@ -50,21 +59,39 @@ def _view(base, vocab, layout):
 
 
 def _run_both(base, vocab, layout, cu, sanitize):
+    """Both backends on clones of ``base``; returns the NaN counts and the sanitized base
+    (the three counts are compared with ``_run_both_all``)."""
+    counts, base_k = _run_both_all(base, vocab, layout, cu, sanitize)
+    return counts.nan, base_k
+
+
+def _run_both_all(base, vocab, layout, cu, sanitize):
     base_k, base_r = base.clone(), base.clone()
-    counts_k = nan_counts_per_request(_view(base_k, vocab, layout), cu, sanitize=sanitize, backend="triton")
-    counts_r = nan_counts_per_request(_view(base_r, vocab, layout), cu, sanitize=sanitize, backend="torch")
-    assert counts_k.dtype == counts_r.dtype == torch.int32
-    assert counts_k.device == base.device
-    assert counts_k.tolist() == counts_r.tolist()
+    counts_k = nonfinite_counts_per_request(_view(base_k, vocab, layout), cu, sanitize=sanitize, backend="triton")
+    counts_r = nonfinite_counts_per_request(_view(base_r, vocab, layout), cu, sanitize=sanitize, backend="torch")
+    assert isinstance(counts_k, NonfiniteCounts) and isinstance(counts_r, NonfiniteCounts)
+    for field, k, r in zip(NonfiniteCounts._fields, counts_k, counts_r):
+        assert k.dtype == r.dtype == torch.int32, field
+        assert k.device == base.device, field
+        assert k.shape == (cu.shape[0] - 1,), field
+        assert k.tolist() == r.tolist(), field
     assert_same_bits(base_k, base_r)  # the whole base: nothing outside the view is touched
     return counts_k, base_k
 
 
-def _oracle_counts(view, cu):
-    """Loop-over-requests oracle, deliberately naive."""
+def _oracle_all(view, cu):
+    """Loop-over-requests oracle of the three counts, deliberately naive (per row, per request)."""
     cu = cu.tolist()
-    nans = torch.isnan(view.cpu()).sum(-1).tolist()
-    return [sum(nans[cu[i]:cu[i + 1]]) for i in range(len(cu) - 1)]
+    view = view.cpu().double()
+    nans = torch.isnan(view).sum(-1).tolist()
+    infs = torch.isinf(view).sum(-1).tolist()
+    dead = [view.shape[1] > 0 and not any(torch.isfinite(row).tolist()) for row in view]
+    return tuple([sum(per_row[cu[i]:cu[i + 1]]) for i in range(len(cu) - 1)] for per_row in (nans, infs, dead))
+
+
+def _oracle_counts(view, cu):
+    """NaN counts of ``_oracle_all``."""
+    return _oracle_all(view, cu)[0]
 
 
 # (vocab, rows, layouts): the big vocabularies keep 1-3 rows and fewer layouts.
@@ -97,11 +124,11 @@ def test_kernel_matches_reference_over_vocab_and_layout(vocab, rows, layout, dty
     # Request 1 is empty; the last row belongs to no request when rows > 2.
     cu = torch.tensor([0, 1, 1, max(rows - 1, 2)], device=DEVICE)
     before = base.clone()
-    counts, sanitized = _run_both(base, vocab, layout, cu, sanitize=True)
-    assert counts.tolist() == _oracle_counts(_view(before, vocab, layout), cu)
+    counts, sanitized = _run_both_all(base, vocab, layout, cu, sanitize=True)
+    assert tuple(c.tolist() for c in counts) == _oracle_all(_view(before, vocab, layout), cu)
     assert torch.isfinite(_view(sanitized, vocab, layout)).all()
     # Without sanitize the logits are left alone (NaN included, bit for bit).
-    _run_both(before, vocab, layout, cu, sanitize=False)
+    _run_both_all(before, vocab, layout, cu, sanitize=False)
 
 
 RANGE_CASES = {
@@ -124,9 +151,8 @@ def test_kernel_matches_reference_over_request_ranges(name, dtype, cu_dtype):
     base = _fill(rows, 37, dtype, "wider")
     cu = torch.tensor(cu_list, dtype=cu_dtype, device=DEVICE)
     before = base.clone()
-    counts, _ = _run_both(base, 37, "wider", cu, sanitize=True)
-    assert counts.tolist() == _oracle_counts(before[:, :37], cu)
-    assert counts.shape == (len(cu_list) - 1,)
+    counts, _ = _run_both_all(base, 37, "wider", cu, sanitize=True)
+    assert tuple(c.tolist() for c in counts) == _oracle_all(before[:, :37], cu)
 
 
 def test_reference_counts_simple_example():
@@ -196,3 +222,92 @@ def test_reference_has_the_kernel_signature():
     x = torch.tensor([[NAN, 1.0]])
     assert _nan_counts_reference(x, torch.tensor([0, 1]), sanitize=True).tolist() == [1]
     assert torch.isfinite(x).all()
+
+
+# Dead rows: with 16 columns per program (BLOCK_V 8 x 2 blocks, patched in to keep the
+# interpreter fast), V = 1 and 16 fit one program, 37 and 100 split a row over 3 and 7
+# programs, where only the last program of a row decides. V = 9000 runs the real block sizes.
+DEAD_VOCABS = [1, 16, 37, 100]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(_triton_counts, "BLOCK_V", 8)
+    monkeypatch.setattr(_triton_counts, "BLOCKS_PER_PROGRAM", 2)
+
+
+def _dead_case(vocab, dtype, position, layout):
+    """Three requests of 4 rows, [4, 4, 4] (+1 padding row, +1 empty request). In request 1
+    the dead row sits at ``position``; every other row holds some non-finite values but stays
+    alive, including rows whose only finite value is their first or last column."""
+    rows = 13
+    wide = {"contiguous": (rows, vocab), "every_other_row": (2 * rows, vocab), "transposed": (vocab, rows)}[layout]
+    base = torch.randn(*wide, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    x = _view(base, vocab, layout)
+    x[0, 0] = NAN
+    x[1, : vocab - 1] = NAN  # only the last column finite
+    x[2, 1:] = INF  # only the first column finite
+    x[3, -1] = -INF
+    dead = 4 + {"first": 0, "middle": 2, "last": 3}[position]
+    x[dead, ::2] = NAN
+    x[dead, 1::2] = -INF
+    x[dead + 1 if position != "last" else 4, vocab // 2] = NAN
+    x[12, :] = NAN  # padding row: dead, but belongs to no request
+    cu = torch.tensor([0, 4, 8, 8, 12], device=DEVICE)
+    return base.to(DEVICE), cu
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "every_other_row", "transposed"])
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("vocab", DEAD_VOCABS)
+def test_dead_rows_at_first_middle_last_position(vocab, dtype, position, layout, small_blocks):
+    _check_dead_case(vocab, dtype, position, layout)
+
+
+@pytest.mark.parametrize("position", ["first", "last"])
+def test_dead_rows_with_default_blocks(position):
+    _check_dead_case(9000, torch.float32, position, "every_other_row")  # 3 programs of 4096 columns
+
+
+def _check_dead_case(vocab, dtype, position, layout):
+    base, cu = _dead_case(vocab, dtype, position, layout)
+    before = base.clone()
+    counts, _ = _run_both_all(base, vocab, layout, cu, sanitize=True)
+    expected = _oracle_all(_view(before, vocab, layout), cu)
+    assert tuple(c.tolist() for c in counts) == expected
+    if vocab > 1:  # (with V == 1 every corrupted row is dead)
+        assert expected[2] == [0, 1, 0, 0]  # the oracle agrees with the case's design
+    # dead_row_mask agrees row by row, and nan_counts_per_request returns the same fields.
+    assert dead_row_mask(_view(before, vocab, layout))[4:8].sum().tolist() == expected[2][1]
+    nan, dead = nan_counts_per_request(_view(before.clone(), vocab, layout), cu, return_dead_rows=True,
+                                       backend="triton")
+    assert nan.tolist() == expected[0] and dead.tolist() == expected[2]
+
+
+def test_reference_three_counts_simple_example():
+    x = torch.tensor([[0.0, NAN], [INF, 2.0], [NAN, -INF], [NAN, NAN]])
+    counts = nonfinite_counts_per_request(x, torch.tensor([0, 2, 2, 3]), backend="torch")
+    assert [c.tolist() for c in counts] == [[1, 0, 1], [1, 0, 1], [0, 0, 1]]  # row 3: no request
+    assert counts.nan.data_ptr() == counts.dead_rows.data_ptr() - 2 * 4 * 4  # one [3, R + 1] buffer
+
+
+def test_nan_counts_return_dead_rows_shares_the_pass():
+    x = torch.tensor([[NAN, NAN], [INF, 1.0], [INF, -INF]])
+    cu = torch.tensor([0, 1, 3])
+    out = nan_counts_per_request(x, cu, backend="torch")
+    assert isinstance(out, torch.Tensor) and out.tolist() == [2, 0]  # unchanged by default
+    nan, dead = nan_counts_per_request(x, cu, return_dead_rows=True, backend="torch")
+    assert nan.tolist() == [2, 0] and dead.tolist() == [1, 1]
+    assert _nonfinite_counts_reference(x, cu).dead_rows.tolist() == [1, 1]
+
+
+def test_dead_row_mask():
+    x = torch.tensor([[0.0, NAN], [NAN, NAN], [INF, -INF], [NAN, INF], [1.0, 2.0]])
+    assert dead_row_mask(x).tolist() == [False, True, True, True, False]
+    assert dead_row_mask(x.view(5, 1, 2)).tolist() == [[False], [True], [True], [True], [False]]
+    assert dead_row_mask(torch.empty(3, 0)).tolist() == [False] * 3  # V == 0 is not dead
+    with pytest.raises(ValueError, match="x"):
+        dead_row_mask(torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="x"):
+        dead_row_mask(torch.tensor(1.0))

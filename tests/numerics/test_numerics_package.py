@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = [
     "sanitize_nan_logits", "AsyncNanWarner", "maybe_warn_nan", "nan_counts_per_request",
     "raise_if_nan_logits", "NanLogitsError", "NanPolicy", "nonfinite_row_mask", "SANITIZE_MAX",
+    "nonfinite_counts_per_request", "NonfiniteCounts", "dead_row_mask",
 ]
 
 

@@ -10,18 +10,21 @@ from numerics import NAN_POLICY_ENV, NanLogitsError, NanPolicy, raise_if_nan_log
 
 def test_resolve_default_env_and_explicit(monkeypatch):
     monkeypatch.delenv(NAN_POLICY_ENV, raising=False)
-    assert NanPolicy.resolve() is NanPolicy.SANITIZE
+    assert NanPolicy.resolve() is NanPolicy.GUARD  # the default (issue 11)
     monkeypatch.setenv(NAN_POLICY_ENV, " Raise ")
     assert NanPolicy.resolve() is NanPolicy.RAISE
     assert NanPolicy.resolve("abort") is NanPolicy.ABORT  # explicit wins over the env
     assert NanPolicy.resolve(NanPolicy.OFF) is NanPolicy.OFF
     monkeypatch.setenv(NAN_POLICY_ENV, "")
-    assert NanPolicy.resolve() is NanPolicy.SANITIZE
+    assert NanPolicy.resolve() is NanPolicy.GUARD
+    monkeypatch.setenv(NAN_POLICY_ENV, "sanitize")
+    assert NanPolicy.resolve() is NanPolicy.SANITIZE  # the env still overrides the default
+    assert NanPolicy.resolve(" GUARD ") is NanPolicy.GUARD
 
 
 def test_policy_is_a_str_enum():
     assert NanPolicy.RAISE == "raise"
-    assert [p.value for p in NanPolicy] == ["off", "sanitize", "raise", "abort"]
+    assert [p.value for p in NanPolicy] == ["off", "sanitize", "raise", "abort", "guard"]
 
 
 def test_resolve_rejects_unknown_values(monkeypatch):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from samplers import chain_speculative_sampling, sample, tree_verify
+from samplers import chain_speculative_sampling, sample, sample_without_replacement, tree_verify
 from samplers_testlib import NUM_SAMPLES, chi_square, conditional_chi_square, draw, softmax_table
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -38,11 +38,11 @@ def _chain_inputs(with_draft_probs):
 def test_chain_backends_preserve_distribution_on_gpu(backend, with_draft_probs):
     draft, ids, target, t0, t1 = _chain_inputs(with_draft_probs)
     g = torch.Generator(device="cuda").manual_seed(1)
-    out, accepted, emitted = chain_speculative_sampling(draft, ids, target, generator=g, backend=backend)
+    out, passed, accepted = chain_speculative_sampling(draft, ids, target, generator=g, backend=backend)
     first = chi_square(out[:, 0].cpu(), t0, V)
-    second = conditional_chi_square(out[:, 0].cpu(), out[:, 1].cpu(), (emitted >= 1).cpu(), t1, V)
+    second = conditional_chi_square(out[:, 0].cpu(), out[:, 1].cpu(), (accepted >= 1).cpu(), t1, V)
     assert first.passes and second.passes, f"{backend}: {first} / {second}"
-    assert (accepted >= emitted).all()
+    assert (passed >= accepted).all()
 
 
 @cuda
@@ -53,8 +53,8 @@ def test_flashinfer_fixup_rejects_out_of_range_and_zero_q_tokens():
     draft = torch.full((b, k, V), 1.0 / V, device="cuda")
     draft[:, 1, 2] = 0.0  # token 2 at position 1 cannot have been drafted
     ids = torch.tensor([[1, 2, 3]] * (b // 2) + [[1, V + 4, 3]] * (b // 2), device="cuda")
-    out, _acc, emitted = chain_speculative_sampling(draft, ids, target, backend="flashinfer")
-    assert int(emitted.max()) <= 1  # never accepted past position 1
+    out, _passed, accepted = chain_speculative_sampling(draft, ids, target, backend="flashinfer")
+    assert int(accepted.max()) <= 1  # never accepted past position 1
     assert bool(((out >= 0) & (out < V) | (out == -1)).all())
 
 
@@ -68,3 +68,9 @@ def test_torch_paths_run_on_gpu():
     tokens = torch.randint(0, 1000, (64, 6), device="cuda")
     res = tree_verify(tokens, parents, torch.randn(64, 6, 1000, device="cuda"), temperature=0.7, generator=g, max_depth=2)
     assert res.output_token_ids.shape == (64, 3)
+    gens = [torch.Generator(device="cuda").manual_seed(s) for s in range(64)]
+    q = torch.rand(64, 6, 1000, device="cuda")
+    res = tree_verify(tokens, parents, torch.randn(64, 6, 1000, device="cuda"), temperature=0.7, generator=gens,
+                      draft_probs=q, sibling_sampling="without_replacement", max_depth=2)
+    assert bool(((res.output_token_ids >= 0) & (res.output_token_ids < 1000) | (res.output_token_ids == -1)).all())
+    assert sample_without_replacement(q, 4, gens).shape == (64, 6, 4)

@@ -7,10 +7,12 @@ import torch
 
 from numerics import NanLogitsError
 from samplers import (
+    SamplingParams,
     chain_speculative_sampling,
     greedy_verify,
     logits_to_probs,
     sample,
+    sample_without_replacement,
     tree_verify,
 )
 
@@ -61,6 +63,20 @@ def _tree_args(b=2, n=4, v=9):
         (lambda: tree_verify(_tree_args()[0], torch.tensor([[0, 0, 0, 1]] * 2), _tree_args()[2], check_inputs=True), "tree_parents"),
         (lambda: tree_verify(torch.full((2, 4), 99), *_tree_args()[1:], check_inputs=True), "tree_token_ids"),
         (lambda: sample(torch.randn(2, 5), nan_policy="explode"), "explode"),
+        # temperatures must be finite: inf would make -inf-masked tokens samplable
+        (lambda: sample(torch.randn(2, 5), temperature=float("inf")), "temperature"),
+        (lambda: logits_to_probs(torch.randn(2, 5), temperature=float("inf")), "temperature"),
+        (lambda: sample(torch.randn(2, 5), temperature=[1.0, float("inf")]), r"temperature\[1\]"),
+        (lambda: tree_verify(*_tree_args(), temperature=float("inf")), "temperature"),
+        (lambda: sample(torch.randn(2, 5), temperature=torch.tensor([1.0, float("inf")]), check_inputs=True), "temperature"),
+        (lambda: sample(torch.randn(2, 5), top_k=[1, 2, 3]), "top_k"),
+        (lambda: sample(torch.randn(2, 5), top_p=[0.5, 0.0]), r"top_p\[1\]"),
+        (lambda: tree_verify(*_tree_args(), draft_probs=torch.rand(2, 4, 9), sibling_sampling="sorted"), "sibling_sampling"),
+        (lambda: sample_without_replacement(torch.rand(2, 5), 6), "k"),
+        (lambda: sample_without_replacement(torch.rand(5), 2), "probs"),
+        (lambda: SamplingParams.build(2, temperature=[0.5, "hot"]), r"temperature\[1\]"),
+        (lambda: SamplingParams.build(3, top_k=[1, 2.5, None]), r"top_k\[1\]"),
+        (lambda: SamplingParams.build(-1), "batch"),
     ],
 )
 def test_bad_input_raises_value_error_naming_argument(call, name):
@@ -90,15 +106,17 @@ def test_nonfinite_rows_first_middle_last_reported(rows):
     assert torch.allclose(probs.sum(-1), torch.ones(7)) and torch.equal(bad, bad2)
 
 
-def test_raise_policy_names_rows():
-    logits = _corrupt(torch.randn(5, 10), {1: float("nan"), 4: float("inf")})
+def test_raise_policy_names_nan_rows_only():
+    # Only NaN raises; +inf / -inf rows are sanitized (one NaN vocabulary, see numerics.policy).
+    logits = _corrupt(torch.randn(5, 10), {1: float("nan"), 4: float("inf"), 2: float("-inf")})
     with pytest.raises(NanLogitsError) as info:
         sample(logits, nan_policy="raise")
-    assert set(info.value.nan_counts) == {"1", "4"}
+    assert set(info.value.nan_counts) == {"1"}
     sample(torch.randn(5, 10), nan_policy="raise")  # clean input does not raise
     tree = _tree_args(b=3)
     corrupted = tree[2].clone()
     corrupted[2, 3, 0] = float("nan")
+    corrupted[0, 1, 0] = float("inf")
     with pytest.raises(NanLogitsError) as info:
         tree_verify(tree[0][:3], tree[1][:3], corrupted, nan_policy="raise")
     assert set(info.value.nan_counts) == {"2"}
@@ -106,13 +124,15 @@ def test_raise_policy_names_rows():
 
 def test_raise_policy_on_probabilities():
     tp = torch.rand(3, 2, 5).softmax(-1)
-    tp[1, 1, 0] = float("inf")
+    tp[1, 1, 0] = float("nan")
+    tp[2, 0, 1] = float("inf")  # Inf is cleaned, not raised
     with pytest.raises(NanLogitsError) as info:
         chain_speculative_sampling(None, torch.zeros(3, 1, dtype=torch.long), tp, nan_policy="raise")
     assert set(info.value.nan_counts) == {"1"}
     tree = _tree_args(b=2)
     q = torch.rand(2, 4, 9)
     q[0, 2, 2] = float("nan")
+    q[1, 2, 2] = float("inf")
     with pytest.raises(NanLogitsError) as info:
         tree_verify(*tree, temperature=1.0, draft_probs=q, nan_policy="raise")
     assert set(info.value.nan_counts) == {"0"}

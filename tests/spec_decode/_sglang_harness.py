@@ -1,96 +1,32 @@
 """Run SGLang's real CPU-capable pieces in one process, for the plugin tests.
 
-Stubs only what cannot run on a CPU-only machine: ``torchvision``, whose PyPI
-wheel needs SGLang's CUDA torch build; sglang imports it at module level for
-vision preprocessing that these tests never reach. Nothing here runs at import:
-tests call ``import_sglang()``, which installs the stub and reports whether
+What cannot run on a CPU-only machine is replaced by the stand-ins in
+``sglang_stand_ins/`` (``torchvision``, ``sgl_kernel``), which ``make test-sglang``
+puts on the path of every process in ``.venv-sglang`` with a ``.pth`` file.
+Nothing here runs at import: tests call ``import_sglang()``, which reports whether
 sglang imports at all.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
-import sys
 import types
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
-TORCHVISION = "torchvision"
-
-
-class _StubAttr:
-    """Stands for any torchvision attribute; fails loudly if actually used."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> "_StubAttr":
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _StubAttr(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name}: torchvision is stubbed in the safespec SGLang test harness")
-
-    def __mro_entries__(self, bases):  # allows `class X(torchvision.Foo)` at import time
-        return (object,)
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _StubAttr(f"{self.__name__}.{attr}")
-
-
-class _TorchvisionStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``torchvision`` and every ``torchvision.*`` submodule as a stub module."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == TORCHVISION or fullname.startswith(TORCHVISION + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StubModule(spec.name)
-        module.__path__ = []  # a package, so submodule imports resolve through us
-        module.__version__ = "0.0.0+safespec-stub"
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-def install_torchvision_stub() -> bool:
-    """Put the stub finder first on ``sys.meta_path`` unless a real torchvision imports.
-
-    Returns True when the stub is in use.
-    """
-    if any(isinstance(f, _TorchvisionStubFinder) for f in sys.meta_path):
-        return True
-    if TORCHVISION in sys.modules:
-        return False
-    try:
-        importlib.import_module(TORCHVISION)
-        return False
-    except Exception:  # the CUDA-only wheel fails with OSError/RuntimeError, absent -> ImportError
-        sys.modules.pop(TORCHVISION, None)
-    sys.meta_path.insert(0, _TorchvisionStubFinder())
-    return True
+STAND_INS = Path(__file__).parent / "sglang_stand_ins"
 
 
 def import_sglang() -> str | None:
     """Import what the plugin and the tests touch; returns None on success, else the reason."""
     if importlib.util.find_spec("sglang") is None:
         return "sglang not installed"
-    install_torchvision_stub()
     try:
         import sglang.srt.layers.sampler  # noqa: F401
+        import sglang.srt.managers.scheduler  # noqa: F401
         import sglang.srt.plugins.hook_registry  # noqa: F401
-    except ImportError as exc:  # a missing pure-Python dependency of sglang's import chain
-        return f"sglang not importable: {exc}"
+    except ImportError as exc:  # a missing dependency of sglang's import chain
+        return f"sglang not importable: {exc} (make test-sglang puts {STAND_INS} on the path)"
     return None
 
 
@@ -217,3 +153,65 @@ def applied_plugin(nan_policy):
         state = sglang_plugin.register(nan_policy)
         HookRegistry.apply_hooks()
         yield state
+
+
+def registered_hook(target: str):
+    """The safespec hook registered with SGLang's HookRegistry for ``target``."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return next(h for _, h, _ in HookRegistry._hooks[target] if getattr(h, "safespec_hook", False))
+
+
+class HostReads:
+    """Count tensor reads on the host during a step, split by what they read.
+
+    ``copied``: reads of tensors that went through SGLang's result copy
+    (``sglang.srt.managers.utils._async_d2h``); on a GPU these read pinned host memory
+    after the ``copy_done`` wait SGLang makes anyway. ``device``: every other read, each
+    a host sync on a GPU. ``waits``: ``copy_done.synchronize()`` calls (see ``CopyDone``).
+    Install with ``install(monkeypatch)``.
+    """
+
+    READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self):
+        self.copied: list = []
+        self.device: list = []
+        self._copies: list = []
+
+    def install(self, monkeypatch) -> "HostReads":
+        import torch
+        from sglang.srt.managers import utils as sglang_utils
+
+        original_d2h = sglang_utils._async_d2h
+
+        def async_d2h(tensor):
+            out = original_d2h(tensor)
+            self._copies.append(out)
+            return out
+
+        monkeypatch.setattr(sglang_utils, "_async_d2h", async_d2h)
+        for name in self.READS:
+            original = getattr(torch.Tensor, name)
+
+            def spy(tensor, *a, _original=original, _name=name, **k):
+                copied = any(tensor is c for c in self._copies)
+                (self.copied if copied else self.device).append(_name)
+                return _original(tensor, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+        return self
+
+
+class CopyDone:
+    """Stands for the ``copy_done`` event a scheduler gives each result; counts waits."""
+
+    def __init__(self):
+        self.recorded = 0
+        self.waits = 0
+
+    def record(self):
+        self.recorded += 1
+
+    def synchronize(self):
+        self.waits += 1

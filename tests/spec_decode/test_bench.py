@@ -1,22 +1,26 @@
-"""spec-bench: the results.json contract, the figure, the numerics subcommand and argument errors.
+"""spec-bench: the results.json contract, the figure, the subcommands and every bad input.
 
 Runs the real benchmark on random tiny models with a tiny setting. It asserts what the output
-promises (keys, types, losslessness flags, a valid PNG), never a speed.
+promises (keys, types, losslessness flags, a valid PNG), never a speed. Bad input is a probe suite
+(``BAD_INPUTS``): each probe must exit with status 2 and a message naming the option, before
+anything is measured; a stage that fails later keeps what was measured in ``results.json``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from spec_decode.bench import main
-from spec_decode.bench.config import METHOD_KEYS
+from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import markdown_table
 from spec_decode.bench.run import CONTRACT_KEYS, percentile
@@ -78,8 +82,15 @@ def test_results_json_follows_the_contract(bench_run):
         assert key in r["machine"]
     assert r["machine"]["torch_threads"] == 1
     assert r["config"]["num_prompts"] == NUM_PROMPTS and r["config"]["max_new_tokens"] == MAX_NEW
-    assert r["config"]["method_configs"]["eagle_chain"] == {"engine": "ours", "method": "eagle", "drafter": "eagle",
-                                                            "num_steps": 4, "topk": 1, "num_draft_tokens": 5}
+    configs = r["config"]["method_configs"]
+    assert configs["eagle_chain"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": 4,
+                                      "topk": 1, "num_draft_tokens": 5, "draft_sampling": "auto"}
+    # eagle_auto: eagle_tree's shape, the depth chosen by the decoder (as the decoder reports it)
+    assert configs["eagle_auto"]["num_steps"] == "auto" and configs["eagle_auto"]["max_steps"] >= 1
+    assert {k: v for k, v in configs["eagle_auto"].items() if k not in ("num_steps", "max_steps")} == \
+        {k: v for k, v in configs["eagle_tree"].items() if k != "num_steps"}
+    for key in ("ar", "hf_generate", "hf_assisted"):
+        assert "draft_sampling" not in configs[key], key
     for key, e in r["methods"].items():
         assert set(CONTRACT_KEYS) <= set(e), key
         for name in ("tokens_per_s", "p50_step_ms", "p90_step_ms", "peak_mem_mb"):
@@ -98,9 +109,10 @@ def test_accepted_lengths_only_for_speculative_methods(bench_run):
     _, r = bench_run
     for key in ("ar", "hf_generate", "hf_assisted"):
         assert r["methods"][key]["mean_accepted_length"] is None, key
-    for key in ("draft_chain", "eagle_chain", "eagle_tree", "eagle3_tree"):
+    for key in ("draft_chain", "eagle_chain", "eagle_tree", "eagle_auto", "eagle3_tree"):
         e = r["methods"][key]
-        depth = r["config"]["method_configs"][key]["num_steps"]
+        config = r["config"]["method_configs"][key]
+        depth = config["max_steps"] if config["num_steps"] == "auto" else config["num_steps"]
         assert 1.0 <= e["mean_accepted_length"] <= depth + 1, key
         hist = {int(n): c for n, c in e["accepted_length_hist"].items()}
         assert sum(hist.values()) == e["num_verify_steps"]
@@ -116,13 +128,14 @@ def test_greedy_methods_reproduce_ar(bench_run):
         assert r["methods"][key]["greedy_mismatched_prompts"] == 0
 
 
-def test_nan_policy_stage_reports_both_modes(bench_run):
+def test_nan_policy_stage_reports_every_mode(bench_run):
     _, r = bench_run
-    assert set(r["nan_policy_overhead_pct"]) == {"sanitize", "abort"}
+    assert set(r["nan_policy_overhead_pct"]) == {"sanitize", "abort", "guard"}
     assert all(_is_num(v) for v in r["nan_policy_overhead_pct"].values())
     detail = r["nan_policy"]
-    assert set(detail["tokens_per_s"]) == {"off", "sanitize", "abort"}
+    assert set(detail["tokens_per_s"]) == {"off", "sanitize", "abort", "guard"} == set(NAN_MODES)
     assert detail["nan_pass_ms"] > 0
+    assert "guard" in markdown_table(r)
 
 
 def test_figure_is_a_png(bench_run):
@@ -146,30 +159,8 @@ def test_missing_eagle3_head_is_skipped_with_a_note(fake_fixtures, tmp_path):
     e = r["methods"]["eagle3_tree"]
     assert "absent" in e["skipped"] and all(e[k] is None for k in CONTRACT_KEYS)
     assert r["methods"]["ar"]["greedy_equals_ar"] is True
-    assert r["nan_policy_overhead_pct"] == {"sanitize": None, "abort": None}
+    assert r["nan_policy_overhead_pct"] == {"sanitize": None, "abort": None, "guard": None}
     assert (tmp_path / "results.png").read_bytes()[:8] == PNG_MAGIC
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--methods", "ar,beam_search"], "beam_search"),
-    (["--num-prompts", "0"], "--num-prompts"),
-    (["--num-prompts", "50"], "exceeds"),
-    (["--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["--dtype", "fp8"], "--dtype"),
-    (["--temperatures", "-1"], "--temperatures"),
-    (["--batch-size", "0"], "--batch-size"),
-])
-def test_bad_arguments_name_the_option(fake_fixtures, tmp_path, capsys, args, needle):
-    with pytest.raises(SystemExit) as exc:
-        main(_model_args(fake_fixtures) + ["--out", str(tmp_path)] + args)
-    assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
-
-
-def test_missing_target_is_a_clear_error(fake_fixtures, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(_model_args(fake_fixtures, target=tmp_path / "nowhere") + ["--out", str(tmp_path)])
-    assert "--target" in capsys.readouterr().err
 
 
 def test_numerics_subcommand_writes_records(tmp_path, capsys):
@@ -238,10 +229,309 @@ def test_module_entry_point_runs():
     assert "--num-prompts" in proc.stdout and "--methods" in proc.stdout
 
 
-def test_profile_subcommand_reports_stages(fake_fixtures, capsys):
-    rc = main(["profile"] + _model_args(fake_fixtures) + ["--method", "eagle_tree", "--num-prompts", "1",
-                                                          "--max-new-tokens", "4"])
+# ------------------------------------------------------------------ bad input: a probe suite
+def _truncated_copy(src: Path, dst: Path, keep: float = 0.5) -> Path:
+    """A copy of checkpoint ``src`` whose model.safetensors keeps only the first ``keep`` of its bytes."""
+    shutil.copytree(src, dst)
+    data = (dst / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[:int(len(data) * keep)])
+    return dst
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    return path
+
+
+def _non_model_dir(tmp: Path) -> Path:
+    (tmp / "notes").mkdir()
+    _write(tmp / "notes" / "README", "not a model")
+    return tmp / "notes"
+
+
+def _bad_config(fx: Path, tmp: Path) -> Path:
+    dst = shutil.copytree(fx / "models/tiny-target", tmp / "badcfg")
+    _write(dst / "config.json", "{hidden_size: ")
+    return dst
+
+
+def _prompts(content: str | bytes):
+    """A probe that passes a prompts file holding ``content``."""
+    return lambda fx, t: ["--prompts", _write(t / "p.jsonl", content)]
+
+
+# name -> (fn(fixtures, tmp) -> extra argv, the option the message must name, another needle)
+BAD_INPUTS = {
+    "prompts_not_json": (_prompts('{"token_ids": [1, 2]}\nnot json\n'), "--prompts", ":2"),
+    "prompts_without_token_ids": (_prompts('{"ids": [1]}\n{"ids": [1]}\n'), "--prompts", ":1"),
+    "prompts_out_of_vocab": (_prompts('{"token_ids": [1, 97]}\n'), "--prompts", "[0, 97)"),
+    "prompts_negative_id": (_prompts('{"token_ids": [-1]}\n'), "--prompts", "[0, 97)"),
+    "prompts_bool_id": (_prompts('{"token_ids": [true]}\n'), "--prompts", "ints"),
+    "prompts_empty_list": (_prompts('{"token_ids": []}\n'), "--prompts", "non-empty"),
+    "prompts_not_a_list": (_prompts('{"token_ids": "12"}\n'), "--prompts", "list"),
+    "prompts_binary": (_prompts(b"\x89PNG\xff\xfe\x00\n"), "--prompts", "p.jsonl"),
+    "prompts_missing": (lambda fx, t: ["--prompts", t / "absent.jsonl"], "--prompts", "absent.jsonl"),
+    "prompts_too_few": (lambda fx, t: ["--num-prompts", "50"], "--num-prompts", "exceeds"),
+    "target_missing": (lambda fx, t: ["--target", t / "nowhere"], "--target", "nowhere"),
+    "target_non_model_dir": (lambda fx, t: ["--target", _non_model_dir(t)], "--target", "config.json"),
+    "target_is_a_file": (lambda fx, t: ["--target", fx / "prompts.jsonl"], "--target", "prompts.jsonl"),
+    "target_truncated": (lambda fx, t: ["--target", _truncated_copy(fx / "models/tiny-target", t / "tt")],
+                         "--target", "model.safetensors"),
+    "target_header_truncated": (lambda fx, t: ["--target", _truncated_copy(fx / "models/tiny-target", t / "tt", 0.001)],
+                                "--target", "model.safetensors"),
+    "target_bad_config": (lambda fx, t: ["--target", _bad_config(fx, t)], "--target", "config.json"),
+    "eagle_non_model_dir": (lambda fx, t: ["--methods", "eagle_chain", "--eagle", _non_model_dir(t)],
+                            "--eagle", "config.json"),
+    "eagle_truncated": (lambda fx, t: ["--methods", "eagle_tree", "--eagle",
+                                       _truncated_copy(fx / "models/tiny-eagle", t / "e")], "--eagle", "safetensors"),
+    "eagle_wrong_layout": (lambda fx, t: ["--methods", "eagle_chain", "--eagle", fx / "models/tiny-eagle3"],
+                           "--eagle", "eagle3"),
+    "eagle_for_the_nan_stage_only": (lambda fx, t: ["--methods", "ar", "--nan-rounds", "1", "--eagle",
+                                                    _truncated_copy(fx / "models/tiny-eagle", t / "e")],
+                                     "--eagle", "safetensors"),
+    "eagle3_truncated": (lambda fx, t: ["--methods", "eagle3_tree", "--eagle3",
+                                        _truncated_copy(fx / "models/tiny-eagle3", t / "e3")], "--eagle3", "safetensors"),
+    "draft_lm_truncated": (lambda fx, t: ["--methods", "draft_chain", "--draft-lm",
+                                          _truncated_copy(fx / "models/tiny-draft", t / "d")],
+                           "--draft-lm", "safetensors"),
+    "draft_lm_truncated_hf": (lambda fx, t: ["--methods", "hf_assisted", "--draft-lm",
+                                             _truncated_copy(fx / "models/tiny-draft", t / "d")],
+                              "--draft-lm", "safetensors"),
+    "only_method_skipped": (lambda fx, t: ["--methods", "eagle3_tree", "--eagle3", t / "absent"],
+                            "--methods", "skipped"),
+    "out_is_a_file": (lambda fx, t: ["--out", _write(t / "f", "x")], "--out", "not a directory"),
+    "out_under_a_file": (lambda fx, t: ["--out", _write(t / "f", "x") / "sub"], "--out", "cannot write"),
+    "out_unwritable": (lambda fx, t: ["--out", "/proc/spec-bench-out"], "--out", "cannot write"),
+    "device_unknown": (lambda fx, t: ["--device", "tpu9"], "--device", "tpu9"),
+    "device_not_supported": (lambda fx, t: ["--device", "meta"], "--device", "cpu or cuda"),
+    "device_cuda_index": (lambda fx, t: ["--device", "cuda:99"], "--device", "cuda:99"),
+    "methods_unknown": (lambda fx, t: ["--methods", "ar,beam_search"], "--methods", "beam_search"),
+    "num_prompts_zero": (lambda fx, t: ["--num-prompts", "0"], "--num-prompts", ">= 1"),
+    "max_new_tokens_negative": (lambda fx, t: ["--max-new-tokens", "-1"], "--max-new-tokens", ">= 1"),
+    "dtype_unknown": (lambda fx, t: ["--dtype", "fp8"], "--dtype", "fp8"),
+    "temperature_negative": (lambda fx, t: ["--temperatures", "-1"], "--temperatures", "-1"),
+    "batch_size_zero": (lambda fx, t: ["--batch-size", "0"], "--batch-size", ">= 1"),
+}
+
+
+@pytest.mark.parametrize("probe", list(BAD_INPUTS))
+def test_bad_input_exits_2_naming_the_option(fake_fixtures, tmp_path, capsys, probe):
+    make, option, needle = BAD_INPUTS[probe]
+    extra = [str(a) for a in make(fake_fixtures, tmp_path)]
+    out = tmp_path / "out"
+    argv = _model_args(fake_fixtures) + ["--out", str(out), "--num-prompts", "1", "--max-new-tokens", "2",
+                                         "--nan-rounds", "0", "--methods", "ar", "--no-progress"] + extra
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"spec-bench: error: {option}"), err[-1]   # one line, the option first
+    assert needle in err[-1]
+    assert "Traceback" not in "\n".join(err)
+    assert not (out / "results.json").exists()   # nothing ran
+
+
+def test_a_failing_later_stage_keeps_what_was_measured(fake_fixtures, tmp_path, monkeypatch):
+    import spec_decode.bench.run as run
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the NaN stage broke")
+
+    monkeypatch.setattr(run, "nan_policy_stage", broken)
+    with pytest.raises(RuntimeError, match="the NaN stage broke"):
+        main(_model_args(fake_fixtures) + ["--out", str(tmp_path), "--num-prompts", "1", "--max-new-tokens", "3",
+                                           "--methods", "ar,eagle_chain", "--temperatures", "0", "--nan-rounds", "1",
+                                           "--no-progress", "--threads", "1"])
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["error"] == {"type": "RuntimeError", "message": "the NaN stage broke"}
+    assert r["methods"]["eagle_chain"]["greedy_equals_ar"] is True
+    assert _is_num(r["methods"]["ar"]["tokens_per_s"])
+
+
+# ------------------------------------------------------------------ spec-bench profile
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _FakeDrafter(torch.nn.Module):
+    def __init__(self, clock: _FakeClock, cost: float):
+        super().__init__()
+        self.clock, self.cost = clock, cost
+
+    def forward(self, x):
+        self.clock.t += self.cost
+        return x
+
+
+class _FakeDecoder:
+    """Two steps per call; each phase advances a fake clock by a known cost; drafting calls the drafter twice."""
+
+    COSTS = {"drafting": 1.0, "verify_forward": 3.0, "verify_walk": 0.5, "bookkeeping": 0.25}
+    OUTSIDE = 0.25   # per step, in no phase
+
+    def __init__(self, clock: _FakeClock, drafter=None, step_cost: float | None = None):
+        from contextlib import nullcontext
+
+        self.clock, self.drafter, self.step_cost = clock, drafter, step_cost
+        self.phase_timer = lambda name: nullcontext()
+        self.last_stats = types.SimpleNamespace(step_s=[])
+
+    def generate(self, prompts, *, max_new_tokens, temperature, seed):
+        self.last_stats = types.SimpleNamespace(step_s=[])
+        for _ in range(2):
+            t0 = self.clock.t
+            if self.step_cost is not None:   # the ar decoder
+                self.clock.t += self.step_cost
+            else:
+                for name, cost in self.COSTS.items():
+                    with self.phase_timer(name):
+                        self.clock.t += cost
+                        if name == "drafting":
+                            self.drafter(torch.zeros(1))
+                            self.drafter(torch.zeros(1))
+                self.clock.t += self.OUTSIDE
+            self.last_stats.step_s.append(self.clock.t - t0)
+        return [types.SimpleNamespace(token_ids=[0] * 4, accepted_lengths=[3, 1])]
+
+
+def test_profile_split_is_exact_on_a_fake_decoder():
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES
+
+    clock = _FakeClock()
+    drafter = _FakeDrafter(clock, 0.25)
+    dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
+    own_timer = dec.phase_timer
+    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    # per step: drafting 1 + 2 calls x 0.25; one ar step = 2.0
+    assert split["ar_step_ms"] == pytest.approx(2000.0)
+    assert split["ar_steps"] == pytest.approx({"drafting": 0.75, "verify_forward": 1.5, "verify_walk": 0.25,
+                                               "bookkeeping": 0.125, "unaccounted": 0.125})
+    assert split["step_ar_steps"] == pytest.approx(2.75)
+    assert split["step_without_drafting_ar_steps"] == pytest.approx(2.0)
+    assert split["drafter_calls_per_step"] == pytest.approx(2.0)
+    assert split["drafter_call_ar_steps"] == pytest.approx(0.125)
+    assert split["steps"] == 4 and split["mean_accepted_length"] == pytest.approx(2.0)
+    assert dec.phase_timer is own_timer   # the hook is restored
+    assert not drafter._forward_hooks and not drafter._forward_pre_hooks   # and the module's hooks removed
+
+
+def test_phase_clock_counts_nested_phases_once():
+    from spec_decode.bench.profile_step import PhaseClock
+
+    clock = _FakeClock()
+    phases = PhaseClock(clock=clock)
+    with phases("drafting"):
+        clock.t += 1.0
+        with phases("verify_walk"):
+            clock.t += 2.0
+        clock.t += 0.5
+    assert phases.seconds == {"drafting": 1.5, "verify_walk": 2.0}
+    assert phases.entries == {"drafting": 1, "verify_walk": 1}
+
+
+def test_profile_needs_the_public_hook():
+    from spec_decode.bench.profile_step import profile_split
+
+    class NoHook:
+        pass
+
+    with pytest.raises(TypeError, match="phase_timer"):
+        profile_split(NoHook(), NoHook(), None, [[1]], 2, phases=("drafting",))
+
+
+def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
+    from spec_decode.pipeline import PHASES
+
+    rc = main(["profile"] + _model_args(fake_fixtures) + ["--method", "eagle_chain", "--num-prompts", "1",
+                                                          "--max-new-tokens", "4", "--threads", "1",
+                                                          "--json", str(tmp_path / "split.json")])
     assert rc == 0
     out = capsys.readouterr().out
-    for label in ("target forward", "drafter forward", "drafting", "tree_verify", "NaN count"):
-        assert label in out, label
+    for name in PHASES + ("one drafter call", "step without drafting", "one ar step"):
+        assert name in out, name
+    split = json.loads((tmp_path / "split.json").read_text())
+    assert set(PHASES) <= set(split["ar_steps"])
+    assert split["drafter_calls_per_step"] >= 1 and split["drafter_call_ar_steps"] > 0
+    assert split["ar_steps"]["verify_forward"] > 0 and split["step_ar_steps"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--method", "ar"], "--method"),
+    (["--method", "hf_generate"], "--method"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--num-prompts", "0"], "--num-prompts"),
+])
+def test_profile_bad_arguments(fake_fixtures, capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["profile"] + _model_args(fake_fixtures) + args)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ spec-bench tune
+def test_tune_sweeps_shapes_on_the_shipped_fixtures(tmp_path, capsys):
+    from spec_decode.fixtures import find_fixtures_dir
+
+    fx = find_fixtures_dir()
+    if fx is None or not (fx / "models/tiny-eagle").is_dir():
+        pytest.skip("the shipped fixtures are not in this checkout")
+    rc = main(["tune", "--num-prompts", "2", "--max-new-tokens", "8", "--shapes", "2/1/3,3/2/6",
+               "--temperatures", "0,1", "--threads", "1", "--no-progress", "--dtype", "fp32", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "tune.json").read_text())
+    assert r["config"]["first_prompt"] == 17 and r["config"]["method"] == "eagle"   # held out from spec-bench's
+    assert r["config"]["shapes"] == [[2, 1, 3], [3, 2, 6]]
+    assert set(r["by_temperature"]) == {"0", "1"} == set(r["best"])
+    for t, entry in r["by_temperature"].items():
+        assert set(entry["shapes"]) == {"2/1/3", "3/2/6"}
+        assert entry["best"] in entry["shapes"] and entry["best"] == r["best"][t]
+        assert entry["best_chain"] == "2/1/3" and entry["best_tree"] == "3/2/6"
+        assert _is_num(entry["ar"]["tokens_per_s"]) and entry["ar"]["mean_accepted_length"] is None
+        best_tps = max(e["tokens_per_s"] for e in entry["shapes"].values())
+        assert entry["shapes"][entry["best"]]["tokens_per_s"] == best_tps
+        for key, e in entry["shapes"].items():
+            assert _is_num(e["tokens_per_s"]) and _is_num(e["speedup_vs_ar"])
+            assert 1.0 <= e["mean_accepted_length"] <= e["num_steps"] + 1
+            assert e["generated_tokens"] == 2 * 8
+            assert e["chain"] is (key == "2/1/3")
+    assert (tmp_path / "tune.png").read_bytes()[:8] == PNG_MAGIC
+    assert "best" in capsys.readouterr().out
+
+
+def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
+    from spec_decode.bench.tune import DEFAULT_SHAPES, is_chain
+    from spec_decode.eagle import load_drafter
+    from spec_decode.pipeline import SpecDecoder
+
+    assert 10 <= len(DEFAULT_SHAPES) <= 20 and len(set(DEFAULT_SHAPES)) == len(DEFAULT_SHAPES)
+    assert sum(map(is_chain, DEFAULT_SHAPES)) >= 4 and not all(map(is_chain, DEFAULT_SHAPES))
+    target = Transformer.from_pretrained(fake_fixtures / "models/tiny-target", dtype=torch.float32)
+    head = load_drafter(fake_fixtures / "models/tiny-eagle", target, method="eagle")
+    for s, k, n in DEFAULT_SHAPES:
+        SpecDecoder(target, head, method="eagle", num_steps=s, topk=k, num_draft_tokens=n)   # no ValueError
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--shapes", "2/1"], "--shapes"),
+    (["--shapes", "2/1/3,2/1/3"], "--shapes"),
+    (["--shapes", "2/1/9"], "--shapes"),
+    (["--method", "medusa"], "--method"),
+    (["--first-prompt", "2"], "--num-prompts"),
+    (["--first-prompt", "-1"], "--first-prompt"),
+    (["--temperatures", "-1"], "--temperatures"),
+    (["--eagle", "absent-dir"], "--eagle"),
+    (["--device", "tpu9"], "--device"),
+])
+def test_tune_bad_arguments(fake_fixtures, tmp_path, capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["tune"] + _model_args(fake_fixtures) + ["--num-prompts", "2", "--max-new-tokens", "2",
+                                                      "--first-prompt", "0", "--out", str(tmp_path),
+                                                      "--no-progress"] + args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("spec-bench tune: error:") and needle in err, err

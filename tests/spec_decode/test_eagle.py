@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from spec_decode.eagle import DraftOutput, Eagle3Head, EagleHead, default_eagle3_aux_layers, load_drafter
 from spec_decode.model import Transformer, apply_rope, rope_cos_sin
 
-from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
+from tiny_models import _head_config, _randomize_, make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
 ATOL = 1e-5
 
@@ -181,10 +181,15 @@ def test_eagle3_vocab_maps(target):
     assert e.to_target_ids(draft_ids) is draft_ids and e.draft_vocab_size == 97 and e.aux_layers == ()
 
 
-def test_default_aux_layers_follow_sglang(target):
+def test_default_aux_layers_follow_sglang(target, tmp_path):
     assert default_eagle3_aux_layers(32) == (1, 15, 28)
-    assert default_eagle3_aux_layers(4) == (1, 1, 0)
-    assert make_tiny_eagle3(target).aux_layers == (1, 1, 0)  # target has 4 layers
+    deep = Transformer.from_pretrained(make_tiny_target(tmp_path, num_hidden_layers=8), dtype=torch.float32)
+    head = Eagle3Head(_head_config(deep), deep)
+    assert head.aux_layers == (1, 3, 4)
+    assert head.config.extra["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # saved as used
+    # 4 layers: SGLang's default (1, 1, 0) repeats a layer (SGLang then fails on the fc input size)
+    with pytest.raises(ValueError, match=r"default eagle_aux_hidden_state_layer_ids .*\[1, 1, 0\] repeats a layer"):
+        Eagle3Head(_head_config(target), target)
 
 
 # ------------------------------------------------------------------------------------------ forward math
@@ -270,3 +275,304 @@ def test_heads_are_trainable(target):
         loss.backward()
         assert head.fc.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
         assert all(p.grad is not None for p in head.parameters())
+
+
+# ------------------------------------------------------------------------------------------ Drafter protocol
+def _drafters(target, tmp_path):
+    lm = Transformer.from_pretrained(make_tiny_target(tmp_path, name="lm", num_hidden_layers=1, seed=3),
+                                     dtype=torch.float32)
+    return {"eagle": make_tiny_eagle(target), "eagle3": make_tiny_eagle3(target, draft_vocab_size=40),
+            "draft_model": lm}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_drafters_implement_the_protocol(target, tmp_path, kind):
+    """The members drafting.Drafter needs, with their shapes, on all three drafter classes."""
+    d = _drafters(target, tmp_path)[kind]
+    B, T, H, V = 2, 5, 32, 97
+    Vd = 40 if kind == "eagle3" else V
+    assert isinstance(d.aux_layers, tuple) and all(isinstance(i, int) for i in d.aux_layers)
+    assert d.aux_layers == {"eagle": (), "eagle3": (0, 1, 3), "draft_model": ()}[kind]  # ascending (config: 3, 0, 1)
+    ids = _ids(B, T)
+    tout = _features(target, ids, d.aux_layers)
+    feats = d.features(tout)
+    if kind == "draft_model":
+        assert feats is None
+    else:
+        assert feats.shape == (B, T, H)
+    cache = d.new_cache(B, 8)
+    hidden, feedback = d.draft_forward(ids, feats, cache, position_ids=torch.arange(T).expand(B, T),
+                                       tree_mask=torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T),
+                                       input_lens=torch.full((B,), T), kv_len=T)
+    assert hidden.shape == (B, T, H)
+    if kind == "draft_model":
+        assert feedback is None
+    else:
+        assert feedback.shape == (B, T, H)
+        # the feedback feeds the next depth: a head forward accepts it as features
+        assert d.draft_forward(ids[:, :1], feedback[:, :1], d.new_cache(B, 2))[0].shape == (B, 1, H)
+    logits = d.compute_logits(hidden)
+    assert logits.shape == (B, T, Vd)
+    # draft_forward + compute_logits is the plain forward
+    ref = d(ids, d.new_cache(B, 8)) if kind == "draft_model" else d(ids, feats, d.new_cache(B, 8))
+    torch.testing.assert_close(logits, ref.logits, atol=ATOL, rtol=0)
+    top = logits.argmax(-1)
+    assert d.to_target_ids(top).shape == (B, T) and int(d.to_target_ids(top).max()) < V
+    probs = logits.softmax(-1)
+    full = d.to_target_probs(probs)
+    assert full.shape == (B, T, V)
+    torch.testing.assert_close(full.sum(-1), probs.sum(-1))
+    assert torch.equal(d.to_target_ids(top), full.argmax(-1))
+
+
+def test_draft_forward_of_a_head_needs_features(target):
+    head = make_tiny_eagle(target)
+    with pytest.raises(ValueError, match="hidden .*must be a tensor"):
+        head.draft_forward(_ids(1, 2), None, head.new_cache(1, 2))
+
+
+# ------------------------------------------------------------------------------------------ EAGLE-3 forms (#16)
+def _saved_head(cls, target, path, *, bias):
+    """A random head of ``cls`` with or without an fc bias, saved to ``path``."""
+    extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}} if cls is Eagle3Head else {}
+    head = cls(_head_config(target, extra=extra), target, fc_bias=bias)
+    _randomize_(head, seed=5)
+    head.save_pretrained(path)
+    return head
+
+
+def _linear(state, name, x):
+    b = state.get(f"{name}.bias")
+    return x @ state[f"{name}.weight"].T + (0 if b is None else b)
+
+
+def _ref_rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _ref_eagle3(state, cfg, target, ids):
+    """EAGLE-3 head forward from a saved checkpoint's tensors and config.json alone, causal, no cache.
+
+    Aux states come from a target forward that captures every layer, picked in ascending layer order;
+    returns (hidden [B, T, H], logits [B, T, Vd]).
+    """
+    B, T = ids.shape
+    L = target.config.num_hidden_layers
+    with torch.no_grad():
+        every = target(ids, target.new_cache(B, T), aux_layers=tuple(range(L))).aux_hidden
+    layer_ids = sorted(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    feat = _linear(state, "fc", torch.cat([every[i] for i in layer_ids], -1))
+    emb = (state["embed_tokens.weight"] if "embed_tokens.weight" in state else target.embed_tokens.weight)[ids]
+    eps, nh, nkv = cfg["rms_norm_eps"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    m = "midlayer."
+    h = torch.cat((_ref_rms(emb, state[m + "input_layernorm.weight"], eps),
+                   _ref_rms(feat, state[m + "hidden_norm.weight"], eps)), -1)
+    q = _linear(state, m + "self_attn.q_proj", h).view(B, T, nh, D).transpose(1, 2)
+    k = _linear(state, m + "self_attn.k_proj", h).view(B, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    v = _linear(state, m + "self_attn.v_proj", h).view(B, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    inv_freq = 1.0 / cfg["rope_theta"] ** (torch.arange(0, D, 2).float() / D)
+    ang = torch.arange(T).float()[:, None] * inv_freq
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    rot = lambda x: torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    scores = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, T, nh * D)
+    x = feat + _linear(state, m + "self_attn.o_proj", attn)
+    y = _ref_rms(x, state[m + "post_attention_layernorm.weight"], eps)
+    x = x + _linear(state, m + "mlp.down_proj",
+                    F.silu(_linear(state, m + "mlp.gate_proj", y)) * _linear(state, m + "mlp.up_proj", y))
+    logits = _linear(state, "lm_head", _ref_rms(x, state["norm.weight"], eps))
+    return x, logits
+
+
+EAGLE3_FORMS = {  # name: (aux ids as written in config.json, head hidden size, fc bias)
+    "sorted": ([0, 1, 3], 32, False),
+    "unsorted_aux_ids": ([3, 0, 1], 32, False),
+    "narrower_than_target": ([0, 1, 3], 24, False),
+    "fc_bias": ([0, 1, 3], 32, True),
+    "all_three": ([2, 3, 0], 24, True),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", EAGLE3_FORMS)
+def test_eagle3_forms_load_and_draft_like_the_reference(target, tmp_path, form):
+    """Issue #16: unsorted aux ids, a head narrower than its target, an fc bias; built, saved, reloaded."""
+    from safetensors.torch import load_file
+
+    ids_cfg, H, bias = EAGLE3_FORMS[form]
+    Ht = target.config.hidden_size
+    extra = {"draft_vocab_size": 40, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids_cfg}}
+    if H != Ht:
+        extra["target_hidden_size"] = Ht
+    cfg = _head_config(target, hidden_size=H, intermediate_size=48, head_dim=H // 4, extra=extra)
+    head = Eagle3Head(cfg, target, own_embedding=H != Ht, fc_bias=bias)
+    head.set_draft_vocab(torch.arange(0, 80, 2))
+    _randomize_(head, seed=7)
+    head.save_pretrained(tmp_path)
+
+    # the published layout
+    state = load_file(tmp_path / "model.safetensors")
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids_cfg  # as given
+    assert saved["bias"] is bias and ("fc.bias" in state) is bias
+    assert state["fc.weight"].shape == (H, 3 * Ht) and saved["hidden_size"] == H
+    assert saved.get("target_hidden_size", H) == Ht
+    assert ("embed_tokens.weight" in state) is (H != Ht)
+    assert set(state) == EAGLE3_KEYS | ({"fc.bias"} if bias else set()) | ({"embed_tokens.weight"} if H != Ht else set())
+
+    loaded = load_drafter(tmp_path, target, method="eagle3")
+    assert type(loaded) is Eagle3Head and loaded.aux_layers == tuple(sorted(ids_cfg))
+    ids = _ids(2, 6, seed=8)
+    # as the pipeline drafts: target forward with the head's aux layers -> features -> draft_forward
+    feats = loaded.features(target(ids, target.new_cache(2, 6), aux_layers=loaded.aux_layers))
+    hidden, feedback = loaded.draft_forward(ids, feats, loaded.new_cache(2, 6))
+    ref_hidden, ref_logits = _ref_eagle3(state, saved, target, ids)
+    torch.testing.assert_close(hidden, ref_hidden, atol=ATOL, rtol=0)
+    torch.testing.assert_close(loaded.compute_logits(hidden), ref_logits, atol=ATOL, rtol=0)
+    assert feedback is hidden
+    assert ref_logits.std() > 0.1  # not a comparison of near-zero tensors
+
+
+@torch.no_grad()
+def test_eagle3_unsorted_aux_ids_are_joined_in_layer_order(target):
+    """Guards the reference test: joining in list order gives another feature (the old behaviour)."""
+    a = make_tiny_eagle3(target, aux_layers=(3, 0, 1))
+    b = make_tiny_eagle3(target, aux_layers=(0, 1, 3))  # same seed, same weights
+    assert a.aux_layers == b.aux_layers == (0, 1, 3)
+    ids = _ids(1, 5)
+    aux = _features(target, ids, (0, 1, 3)).aux_hidden
+    assert torch.equal(a.fuse(aux), b.fuse(aux))
+    in_list_order = a.fc(torch.cat([aux[2], aux[0], aux[1]], -1))
+    assert not torch.allclose(in_list_order, a.fuse(aux), atol=1e-2)
+
+
+@pytest.mark.parametrize("ids", [[1, 1, 3], [3, 0, 3], [0, 0, 0]])
+def test_eagle3_duplicate_aux_ids_are_rejected(target, ids):
+    with pytest.raises(ValueError, match=r"eagle_config\.eagle_aux_hidden_state_layer_ids .* repeats a layer"):
+        make_tiny_eagle3(target, aux_layers=ids)
+
+
+@pytest.mark.parametrize("ids, match", [([0, 1], "must be 3 integer layer ids"), ([0, 1, 4], r"in \[0, 4\)"),
+                                        ([0, -1, 2], r"in \[0, 4\)"), ([0, 1, 2.0], "integer"),
+                                        ([0, 1, True], "integer")])
+def test_eagle3_bad_aux_ids_are_rejected(target, ids, match):
+    with pytest.raises(ValueError, match=f"eagle_aux_hidden_state_layer_ids.*{match}|{match}.*"
+                                         f"eagle_aux_hidden_state_layer_ids"):
+        make_tiny_eagle3(target, aux_layers=ids)
+
+
+def test_eagle3_narrow_head_errors(target, tmp_path):
+    extra = {"target_hidden_size": 32, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}
+    cfg = _head_config(target, hidden_size=24, head_dim=6, extra=extra)
+    with pytest.raises(ValueError, match="needs its own embed_tokens.weight"):
+        Eagle3Head(cfg, target)
+    with pytest.raises(ValueError, match="target_hidden_size 48 does not match the target's hidden size 32"):
+        Eagle3Head(_head_config(target, hidden_size=24, head_dim=6, extra={**extra, "target_hidden_size": 48}),
+                   target, own_embedding=True)
+    head = Eagle3Head(cfg, target, own_embedding=True)
+    assert head.fc.weight.shape == (24, 96)
+    with pytest.raises(ValueError, match="hidden must have shape"):
+        head(_ids(1, 2), torch.zeros(1, 2, 32), head.new_cache(1, 2))  # neither H=24 nor 3 Ht=96
+
+
+def test_eagle3_bias_flag_and_fc_bias_key_must_agree(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _saved_head(Eagle3Head, target, tmp_path, bias=True)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["fc.bias"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing keys \[fc\.bias\]"):
+        load_drafter(tmp_path, target)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["bias"]  # no flag: the key decides (no fc.bias -> no bias)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_drafter(tmp_path, target).fc.bias is None
+
+
+# ------------------------------------------------------------------------------------------ the shipped head
+# sha256 (first 16 hex) of outputs computed by the code before issue #16 (commit 40d398c), torch 2.13.0 on CPU
+SHIPPED_EAGLE3_CHECKSUMS = {
+    torch.float32: {"fuse": "487779d174cb81fa", "logits": "43c0cc4d4d10beb5", "hidden": "7309ae7e5bce68f9"},
+    torch.bfloat16: {"fuse": "1741d0fb9983b104", "logits": "06af3875411c216a", "hidden": "3a615b892d9555ad"},
+}
+
+
+def _sha16(t):
+    import hashlib
+
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shipped_eagle3_head_outputs_are_unchanged(safespec_fixtures_dir, dtype):
+    """The shipped head (aux ids [1, 5, 8], already sorted) drafts exactly as before, bit for bit.
+
+    Bits depend on the CPU kernels, so the checksums are compared on the torch build they were recorded
+    with; everywhere the outputs are compared with an independent reference forward.
+    """
+    from safetensors.torch import load_file
+
+    tgt = Transformer.from_pretrained(safespec_fixtures_dir / "models/tiny-target", dtype=dtype)
+    path = safespec_fixtures_dir / "models/tiny-eagle3"
+    head = load_drafter(path, tgt, method="eagle3")
+    assert head.aux_layers == (1, 5, 8)
+    ids = torch.arange(1, 13)[None] * 37 % 4096
+    ids = torch.cat([ids, ids.flip(1)])
+    feats = head.features(tgt(ids, tgt.new_cache(2, 16), aux_layers=head.aux_layers))
+    out = head(ids, feats, head.new_cache(2, 16))
+    if torch.__version__ == "2.13.0+cpu":
+        got = {"fuse": _sha16(feats), "logits": _sha16(out.logits), "hidden": _sha16(out.hidden)}
+        assert got == SHIPPED_EAGLE3_CHECKSUMS[dtype]
+    if dtype == torch.float32:
+        state = {k: v.float() for k, v in load_file(path / "model.safetensors").items()}
+        ref_hidden, ref_logits = _ref_eagle3(state, json.loads((path / "config.json").read_text()), tgt, ids)
+        torch.testing.assert_close(out.hidden, ref_hidden, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ issue #10
+@pytest.mark.parametrize("cls", [EagleHead, Eagle3Head])
+@pytest.mark.parametrize("bias", [False, True])
+def test_heads_write_their_fc_bias_flag(target, tmp_path, cls, bias):
+    """The reference EAGLE loader defaults "bias" to true: a bias-free head must say "bias": false."""
+    head = _saved_head(cls, target, tmp_path, bias=bias)
+    assert (head.fc.bias is not None) is bias
+    assert json.loads((tmp_path / "config.json").read_text())["bias"] is bias
+    assert (load_drafter(tmp_path, target).fc.bias is not None) is bias
+
+
+def test_eagle_head_without_bias_flag_follows_its_keys(target, tmp_path):
+    """Older checkpoints have no "bias" in config.json: the fc.bias key decides (both ways)."""
+    for bias in (False, True):
+        d = tmp_path / str(bias)
+        _saved_head(EagleHead, target, d, bias=bias)
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg["bias"]
+        (d / "config.json").write_text(json.dumps(cfg))
+        assert (load_drafter(d, target).fc.bias is not None) is bias
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
+def test_load_drafter_checks_the_method(target, tmp_path, method):
+    paths = {"eagle": tmp_path / "e", "eagle3": tmp_path / "e3"}
+    make_tiny_eagle(target, paths["eagle"])
+    make_tiny_eagle3(target, paths["eagle3"])
+    paths["draft_model"] = make_tiny_target(tmp_path, name="lm", num_hidden_layers=1, seed=3)
+    kinds = {"eagle": EagleHead, "eagle3": Eagle3Head, "draft_model": Transformer}
+    assert type(load_drafter(paths[method], target, method=method)) is kinds[method]
+    for layout, path in paths.items():
+        if layout != method:
+            with pytest.raises(ValueError, match=f"method='{method}' does not match .* layout is '{layout}'"):
+                load_drafter(path, target, method=method)
+
+
+@pytest.mark.parametrize("method", ["none", "EAGLE", "", 3])
+def test_load_drafter_rejects_unknown_methods(target, tmp_path, method):
+    make_tiny_eagle(target, tmp_path)
+    with pytest.raises(ValueError, match="method must be one of"):
+        load_drafter(tmp_path, target, method=method)

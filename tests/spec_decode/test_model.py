@@ -81,7 +81,7 @@ def test_llama3_rope_scaling_changes_logits(tmp_path):
     ours = Transformer.from_pretrained(tmp_path, dtype=torch.float32)
     assert ours.config.rope_scaling["rope_type"] == "llama3"
     ours.config.rope_scaling = None
-    ours._inv_freq.clear()
+    ours.clear_inv_freq()
     ids = _ids(1, 40)
     with torch.no_grad():
         diff = (ours(ids, ours.new_cache(1, 40)).logits - hf(ids).logits).abs().max()
@@ -126,6 +126,68 @@ def _write_sharded(model: Transformer, path, fmt: str) -> None:
         weight_map.update({k: name for k in ks})
     index = SAFETENSORS_INDEX_NAME if fmt == "safetensors" else "pytorch_model.bin.index.json"
     (path / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+BAD_CONFIG_VALUES = [  # (key, bad value, message): each must raise a ValueError naming the key and the file
+    ("rope_theta", float("nan"), "rope_theta must be a finite positive number, got nan"),
+    ("rope_theta", float("inf"), "rope_theta must be a finite positive number, got inf"),
+    ("rope_theta", 0.0, "rope_theta must be a finite positive number"),
+    ("rope_theta", -1e4, "rope_theta must be a finite positive number"),
+    ("rope_theta", "1e4", "rope_theta must be a finite positive number"),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps must be a finite positive number"),
+    ("rms_norm_eps", 0, "rms_norm_eps must be a finite positive number"),
+    ("hidden_size", 0, "hidden_size must be a positive integer, got 0"),
+    ("hidden_size", -32, "hidden_size must be a positive integer"),
+    ("hidden_size", 32.0, "hidden_size must be a positive integer"),
+    ("vocab_size", 0, "vocab_size must be a positive integer"),
+    ("intermediate_size", "64", "intermediate_size must be a positive integer"),
+    ("num_hidden_layers", 0, "num_hidden_layers must be a positive integer"),
+    ("num_attention_heads", 0, "num_attention_heads must be a positive integer"),
+    ("num_attention_heads", True, "num_attention_heads must be a positive integer"),
+    ("num_attention_heads", 5, r"hidden_size \(32\) must be divisible by num_attention_heads \(5\) when head_dim"),
+    ("num_key_value_heads", 0, "num_key_value_heads must be a positive integer"),
+    ("num_key_value_heads", 3, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    ("head_dim", 0, "head_dim must be a positive integer"),
+    ("head_dim", 7, r"head_dim \(7\) must be even"),
+    ("max_position_embeddings", -1, "max_position_embeddings must be a positive integer"),
+    ("tie_word_embeddings", "yes", "tie_word_embeddings must be true or false"),
+    ("rope_scaling", {"rope_type": "linear", "factor": float("nan")}, "rope_scaling.factor must be a finite positive"),
+    ("rope_scaling", {"rope_type": "linear"}, "rope_scaling.factor must be a finite positive number, got None"),
+    ("rope_scaling", {**LLAMA3_ROPE, "factor": 0.0}, "rope_scaling.factor must be a finite positive"),
+    ("rope_scaling", {**LLAMA3_ROPE, "low_freq_factor": 4.0, "high_freq_factor": 4.0},
+     "low_freq_factor .* must be below rope_scaling.high_freq_factor"),
+    ("rope_scaling", {**LLAMA3_ROPE, "original_max_position_embeddings": float("inf")},
+     "rope_scaling.original_max_position_embeddings must be a finite positive"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_type 'yarn' is not supported"),
+]
+
+
+@pytest.mark.parametrize("key, value, match", BAD_CONFIG_VALUES,
+                         ids=[f"{k}={v!r}"[:60] for k, v, _ in BAD_CONFIG_VALUES])
+def test_bad_config_values_raise_value_error_naming_key_and_file(tmp_path, key, value, match):
+    path = make_tiny_target(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[key] = value
+    if key == "num_attention_heads" and value == 5:
+        cfg.pop("head_dim")  # derived from hidden_size, as most configs do
+        cfg["num_key_value_heads"] = 5
+    (path / "config.json").write_text(json.dumps(cfg))  # NaN/Infinity: Python's json writes and reads them
+    with pytest.raises(ValueError, match=match) as err:
+        Transformer.from_pretrained(path, dtype=torch.float32)
+    assert str(path / "config.json") in str(err.value)
+    if key != "rope_scaling":
+        assert key in str(err.value)
+
+
+def test_good_config_values_still_load(tmp_path):
+    """Integer-valued rope_theta (common in HF configs) and head_dim given explicitly with H % nh != 0."""
+    path = make_tiny_target(tmp_path, num_attention_heads=5, num_key_value_heads=1, head_dim=8)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["rope_theta"] = 500000
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    assert model.config.rope_theta == 500000.0 and isinstance(model.config.rope_theta, float)
+    assert model.config.head_dim == 8
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "bin"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spec_decode.dtypes import DTYPES
 from spec_decode.model import Transformer
 from spec_decode.overflow import (
     DEFAULT_MAGNITUDE,
@@ -19,8 +20,6 @@ from spec_decode.overflow import (
     plant_massive_activation,
     remove_massive_activation,
 )
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @pytest.fixture(scope="module")

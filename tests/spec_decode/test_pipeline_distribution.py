@@ -61,9 +61,17 @@ def chi_square_rejects(counts: torch.Tensor, probs: torch.Tensor) -> bool:
     return stat > chi2.ppf(1 - ALPHA, int(keep.sum()) - 1)
 
 
-def sample_counts(decoder: SpecDecoder, seed: int) -> tuple[torch.Tensor, float]:
-    """Counts of (x1, x2, x3, x4) over NUM_SAMPLES requests, and the mean tokens per verify step."""
-    out = decoder.generate([PROMPT] * NUM_SAMPLES, max_new_tokens=4, temperature=1.0, seed=seed)
+def sample_counts(decoder: SpecDecoder, seed: int, temperature=1.0) -> tuple[torch.Tensor, float]:
+    """Counts of (x1, x2, x3, x4) over the requests with temperature 1, and the mean tokens per verify step.
+
+    ``temperature`` may be a list (a mixed batch); its temperature-0 requests must all give the greedy
+    continuation.
+    """
+    temps = temperature if isinstance(temperature, list) else [temperature] * NUM_SAMPLES
+    out = decoder.generate([PROMPT] * len(temps), max_new_tokens=4, temperature=temps, seed=seed)
+    greedy = {tuple(r.token_ids) for r, t in zip(out, temps) if t == 0}
+    assert len(greedy) <= 1, "greedy requests in a sampled batch must all follow the argmax"
+    out = [r for r, t in zip(out, temps) if t == 1.0]
     toks = torch.tensor([r.token_ids for r in out])                                # [n, 4]
     counts = torch.zeros(V, V, V, V, dtype=torch.long)
     counts.index_put_(tuple(toks.T), torch.ones(len(toks), dtype=torch.long), accumulate=True)
@@ -81,12 +89,13 @@ def rejects(counts, joint) -> tuple[bool, bool]:
 DRAFTERS = {"none": 0.0, "eagle": 1.3, "self": 2.0}
 
 
-def _decoder(target, head, drafter):
+def _decoder(target, head, drafter, draft_sampling="auto", **shape):
+    shape = shape or TREE
     if drafter == "none":
         return SpecDecoder(target, None, method="none")
     if drafter == "eagle":
-        return SpecDecoder(target, head, method="eagle", **TREE)
-    return SpecDecoder(target, target, method="draft_model", **TREE)
+        return SpecDecoder(target, head, method="eagle", draft_sampling=draft_sampling, **shape)
+    return SpecDecoder(target, target, method="draft_model", draft_sampling=draft_sampling, **shape)
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
@@ -100,10 +109,67 @@ def test_temperature_one_matches_the_target_distribution(small, drafter):
 def test_mutant_committing_the_wrong_kv_rows_is_caught(small, monkeypatch):
     """Commit the tree's first rows instead of the accepted path: (x3, x4) must be rejected.
 
-    The target drafts for itself, so siblings other than the first are accepted often.
+    The target drafts for itself with greedy (top-k) drafts, so siblings other than the first are
+    accepted often. (With sampled drafts q equals p and every draft is accepted: the first four
+    tokens would come from one step, before any commit matters.)
     """
     target, head = small
     original = KVCache.commit
     monkeypatch.setattr(KVCache, "commit", lambda self, num, rel_idx=None: original(self, num))
-    counts, _ = sample_counts(_decoder(target, head, "self"), seed=11)
+    counts, _ = sample_counts(_decoder(target, head, "self", draft_sampling="greedy"), seed=11)
     assert rejects(counts, exact_joint(target))[1]
+
+
+# ------------------------------------------------------------------ sampled drafts
+# Drafts drawn from the drafter's q (without replacement within a node), verified by recursive
+# rejection. The random EAGLE head's q is far from p, so rejections (and second siblings) are common.
+CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
+SAMPLED = {
+    "chain": (CHAIN, 1.0),
+    "tree": (TREE, 1.0),
+    "mixed": (TREE, [1.0, 0.0] * (NUM_SAMPLES // 2) + [1.0] * (NUM_SAMPLES // 2)),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLED)
+def test_sampled_drafts_match_the_target_distribution(small, case):
+    target, head = small
+    shape, temps = SAMPLED[case]
+    counts, mean_accepted = sample_counts(_decoder(target, head, "eagle", **shape), seed=5, temperature=temps)
+    assert rejects(counts, exact_joint(target)) == (False, False)
+    assert mean_accepted > 1.3
+
+
+def _mutant_q_not_renormalised(monkeypatch):
+    """After a rejected sibling, q keeps that sibling's mass (the with-replacement rule)."""
+    from samplers import _rejection
+    monkeypatch.setattr(_rejection, "without_token", lambda q, x: q)
+
+
+def _mutant_residual_skipped(monkeypatch):
+    """After a rejection, p stays p instead of normalise(max(p - q, 0))."""
+    from samplers import _rejection
+    monkeypatch.setattr(_rejection, "residual", lambda p, q: p)
+
+
+def _mutant_probs_at_another_temperature(monkeypatch):
+    """Drafts drawn at temperature 0.7, but q recorded (and verified) at temperature 1."""
+    from spec_decode import drafting
+    original = drafting.sample_without_replacement
+    monkeypatch.setattr(drafting, "sample_without_replacement",
+                        lambda q, k, generator=None: original(q ** (1 / 0.7), k, generator))
+
+
+@pytest.mark.parametrize("mutant, case", [
+    (_mutant_q_not_renormalised, "tree"),
+    (_mutant_residual_skipped, "chain"),
+    (_mutant_residual_skipped, "tree"),
+    (_mutant_probs_at_another_temperature, "chain"),
+    (_mutant_probs_at_another_temperature, "mixed"),
+])
+def test_sampled_draft_mutants_are_caught(small, monkeypatch, mutant, case):
+    target, head = small
+    shape, temps = SAMPLED[case]
+    mutant(monkeypatch)
+    counts, _ = sample_counts(_decoder(target, head, "eagle", **shape), seed=5, temperature=temps)
+    assert any(rejects(counts, exact_joint(target)))

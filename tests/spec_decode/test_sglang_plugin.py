@@ -1,13 +1,20 @@
-"""The SGLang plugin against SGLang's real Sampler, ModelRunner.sample, Req and HookRegistry, on CPU.
+"""The SGLang plugin against SGLang's real Sampler, ModelRunner.sample, result copy, Req and HookRegistry, on CPU.
 
 Needs sglang (``make test-sglang``); skipped with "sglang not installed" otherwise.
-SGLang's verify kernels cannot run on CPU, so the EAGLE verify site is tested at the
-hook boundary: the hook is called with a recording stand-in for ``eagle_sample``.
+``eagle_sample`` needs CUDA kernels for its tree walk, so the EAGLE verify site is tested
+at the hook boundary: the hook is called with a stand-in for ``eagle_sample`` that, for
+the draft side, calls SGLang's real Triton rejection-sampling kernel on CPU tensors
+(``TRITON_INTERPRET=1``, set by ``make test-sglang``). A step's result processing is
+SGLang's real ``GenerationBatchResult.copy_to_cpu`` followed by what
+``process_batch_result_decode`` does with it (``_process_like_sglang``). The real engine
+is in ``test_sglang_engine.py``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import os
 import types
 from pathlib import Path
 
@@ -21,17 +28,21 @@ pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or
 
 if _SKIP_REASON is None:
     from _sglang_harness import (
+        CopyDone,
+        HostReads,
         applied_plugin,
         make_forward_batch,
         make_model_runner,
         make_req,
         make_sampling_info,
+        registered_hook,
         restoring_hook_targets,
         sglang_cpu_context,
     )
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.layers.sampler import Sampler
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -152,74 +163,270 @@ def test_raise_policy_is_silent_on_finite_logits(sampler):
     assert out.tolist() == [NAN_COL] * 3
 
 
-# ---------------------------------------------------------------- abort (sampler site)
+# ---------------------------------------------------------------- abort and guard (sampler site)
 
 
-def test_abort_policy_sampler_aborts_only_corrupted_request(sampler):
-    logits = _logits(3, {1: VOCAB - NAN_COL})  # req-b: NaN from NAN_COL to the end
+def _process_like_sglang(scheduler, batch, result):
+    """What ``process_batch_result_decode`` does with a plain decode result, in order:
+    wait for the copy, read the token ids from the host copy, commit, check finish."""
+    if result.copy_done is not None:
+        result.copy_done.synchronize()
+    for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
+        if req.finished():
+            continue
+        req.output_ids.append(token)
+        req.update_finish_state()
+
+
+def _step(sampler, logits, reqs, *, greedy=True):
+    """One decode step of ``reqs`` through SGLang's sample, result copy and result processing.
+
+    Run inside ``applied_plugin``: the result is processed through the plugin's hook on
+    ``Scheduler.process_batch_result``. Returns (token ids, the result's CopyDone)."""
+    runner = make_model_runner(sampler)
+    rids = [req.rid for req in reqs]
+    forward_batch = make_forward_batch(make_sampling_info(len(reqs), VOCAB, greedy=greedy), rids)
+    logits_output = LogitsProcessorOutput(next_token_logits=logits)
+    next_token_ids = ModelRunner.sample(runner, logits_output, forward_batch)
+    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids, copy_done=CopyDone())
+    result.copy_to_cpu(return_logprob=False)  # SGLang's one device-to-host copy of the step
+    batch = types.SimpleNamespace(reqs=reqs)
+    registered_hook(sglang_plugin.RESULT_TARGET)(_process_like_sglang, None, batch, result)
+    return next_token_ids, result.copy_done
+
+
+def _dead_and_partial_logits():
+    """req-a: partial NaN (one column); req-b: a dead row (all NaN); req-c: clean."""
+    logits = _logits(3, {0: 1, 1: VOCAB - NAN_COL})
+    logits[1, :NAN_COL] = NAN
+    return logits
+
+
+@pytest.mark.parametrize("policy, aborted", [("abort", {"req-a", "req-b"}), ("guard", {"req-b"})])
+def test_abort_and_guard_finish_only_the_triggering_requests(sampler, policy, aborted):
     reqs = [make_req(rid) for rid in RIDS]
-    with applied_plugin("abort") as state:
-        out = _runner_sample(sampler, logits, greedy=True)
-        assert torch.isfinite(logits).all()
-        assert set(state.pending_aborts) == {"req-b"}
-        # The scheduler's result processing: append this step's token, check finish.
-        for req, token in zip(reqs, out.tolist()):
-            req.output_ids.append(token)
-            req.update_finish_state()
-        assert state.pending_aborts == {}
-    a, b, c = reqs
-    assert isinstance(b.finished_reason, FINISH_ABORT)
-    reason = b.finished_reason.to_json()
-    assert reason["status_code"] == 500 and reason["err_type"] == "NanLogitsError"
-    assert "req-b" in reason["message"] and "7 NaN" in reason["message"]
-    assert b.skip_radix_cache_insert
-    for req in (a, c):
-        assert not req.finished() and not req.skip_radix_cache_insert
+    logits = _dead_and_partial_logits()
+    with applied_plugin(policy):
+        out, _ = _step(sampler, logits, reqs)
+    assert torch.isfinite(logits).all()
+    assert bool(((out >= 0) & (out < VOCAB)).all())
+    for req in reqs:
+        if req.rid in aborted:
+            assert isinstance(req.finished_reason, FINISH_ABORT), req.rid
+            reason = req.finished_reason.to_json()
+            assert reason["status_code"] == 500 and reason["err_type"] == "NanLogitsError"
+            assert req.rid in reason["message"] and f"policy '{policy}'" in reason["message"]
+            assert req.skip_radix_cache_insert
+        else:
+            assert not req.finished() and not req.skip_radix_cache_insert, req.rid
+    if policy == "guard":
+        assert out[0].item() != NAN_COL  # req-a: partial NaN sanitized, the NaN column never emitted
+
+
+def test_guard_is_the_default_and_names_dead_rows(sampler, caplog):
+    reqs = [make_req(rid) for rid in RIDS]
+    with applied_plugin(None) as state, caplog.at_level(logging.WARNING, logger=sglang_plugin.__name__):
+        assert state.policy is NanPolicy.GUARD
+        _step(sampler, _dead_and_partial_logits(), reqs)
+    message = reqs[1].finished_reason.to_json()["message"]
+    assert "req-b" in message and "1 dead logit rows" in message and "policy 'guard'" in message
+    # req-a's partial NaN is sanitized and warned about once, naming the request.
+    assert [r.getMessage() for r in caplog.records if "sanitized" in r.getMessage()] != []
+    assert "req-a (1 NaN)" in caplog.text
+
+
+def test_counts_of_one_step_never_reach_the_next(sampler):
+    reqs = [make_req(rid) for rid in RIDS]
+    with applied_plugin("guard"):
+        _step(sampler, _dead_and_partial_logits(), reqs)
+        more = [make_req(rid) for rid in ("req-d", "req-b2", "req-e")]
+        _step(sampler, _logits(3, {}), more)  # clean step: no abort carried over
+    assert not any(req.finished() for req in more)
+
+
+@pytest.mark.parametrize("policy", [None, "sanitize", "abort", "guard"])
+def test_abort_and_guard_add_no_host_sync(sampler, monkeypatch, policy):
+    """Count host reads over a whole step (sample, copy, result processing), against SGLang alone.
+
+    abort/guard read only SGLang's own host copy, after the one wait SGLang makes anyway."""
+    reads = HostReads().install(monkeypatch)
+    reqs = [make_req(rid) for rid in RIDS]
+    if policy is None:
+        with restoring_hook_targets():  # SGLang without the plugin: its own reads
+            HookRegistry.apply_hooks()
+            runner = make_model_runner(sampler)
+            fb = make_forward_batch(make_sampling_info(3, VOCAB, greedy=True), RIDS)
+            lo = LogitsProcessorOutput(next_token_logits=_logits(3, {}))
+            result = GenerationBatchResult(logits_output=lo, next_token_ids=ModelRunner.sample(runner, lo, fb),
+                                           copy_done=CopyDone())
+            result.copy_to_cpu(return_logprob=False)
+            _process_like_sglang(None, types.SimpleNamespace(reqs=reqs), result)
+            waits = result.copy_done.waits
+    else:
+        with applied_plugin(policy):
+            _, copy_done = _step(sampler, _dead_and_partial_logits(), reqs)
+            waits = copy_done.waits
+    assert reads.device == [], f"host syncs: {reads.device}"
+    assert waits == 1
+    # SGLang reads its copied token ids once; abort/guard read their copied counts once more.
+    assert reads.copied == ["tolist"] * (2 if policy in ("abort", "guard") else 1)
+
+
+def test_raise_keeps_its_one_host_sync(sampler, monkeypatch):
+    reads = HostReads().install(monkeypatch)
+    with applied_plugin("raise"), pytest.raises(NanLogitsError):
+        _runner_sample(sampler, _logits(3, {1: 1}), greedy=True)
+    assert reads.device == ["tolist"]
 
 
 # ---------------------------------------------------------------- verify site (hook boundary)
 
+DRAFT_TOKEN_NUM = 4
 
-def _verify_call(policy, nan_rows, draft_token_num=4):
-    """Call the verify hook with a recording eagle_sample; returns (reqs, seen logits, result)."""
-    state = sglang_plugin.PluginState(policy=NanPolicy(policy), counts_backend="torch")
-    hook = sglang_plugin.make_hooks(state)[sglang_plugin.VERIFY_TARGET]
+
+def _verify_batch(reqs):
+    return types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+
+
+def _verify_step(policy, nan_rows, *, dead_rows=(), draft_probs=None, eagle_sample=None):
+    """One verify step: the registered verify hook around ``eagle_sample`` (default: a recorder),
+    then SGLang's result copy and result processing. Returns (reqs, seen logits, eagle_sample's result)."""
     reqs = [make_req(rid) for rid in RIDS]
-    batch = types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False))
-    verify_input = types.SimpleNamespace(draft_token_num=draft_token_num)
-    logits = _logits(len(reqs) * draft_token_num, nan_rows)
+    batch = _verify_batch(reqs)
+    verify_input = types.SimpleNamespace(draft_token_num=DRAFT_TOKEN_NUM, draft_probs=draft_probs)
+    logits = _logits(len(reqs) * DRAFT_TOKEN_NUM, nan_rows)
+    for row in dead_rows:
+        logits[row] = NAN
     seen = {}
 
-    def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, **kwargs):
+    def record(verify_input, batch, logits_output, grammar_mask=None, **kwargs):
         seen["logits"] = logits_output.next_token_logits.clone()
         return "sampled"
 
-    result = hook(eagle_sample, verify_input, batch, LogitsProcessorOutput(next_token_logits=logits), None)
-    return reqs, seen, result
+    with applied_plugin(policy):
+        logits_output = LogitsProcessorOutput(next_token_logits=logits)
+        out = registered_hook(sglang_plugin.VERIFY_TARGET)(eagle_sample or record, verify_input, batch, logits_output, None)
+        result = GenerationBatchResult(logits_output=logits_output, next_token_ids=torch.zeros(len(reqs), dtype=torch.int64),
+                                       copy_done=CopyDone())
+        result.copy_to_cpu(return_logprob=False)
+        registered_hook(sglang_plugin.RESULT_TARGET)(_process_like_sglang, None, batch, result)
+    return reqs, seen, out
 
 
-@pytest.mark.parametrize("policy", ["sanitize", "abort"])
+@pytest.mark.parametrize("policy", ["sanitize", "abort", "guard"])
 def test_verify_hook_hands_finite_logits_to_eagle_sample(policy):
-    reqs, seen, result = _verify_call(policy, {5: 1, 6: 2})
+    reqs, seen, result = _verify_step(policy, {5: 1, 6: 2})
     assert result == "sampled"
     assert torch.isfinite(seen["logits"]).all()
-    finished = [req.rid for req in reqs if req.to_finish is not None]
-    assert finished == (["req-b"] if policy == "abort" else [])
+    aborted = [req.rid for req in reqs if isinstance(req.finished_reason, FINISH_ABORT)]
+    assert aborted == (["req-b"] if policy == "abort" else [])
 
 
-def test_verify_hook_abort_counts_rows_per_request():
+def test_verify_abort_counts_rows_per_request():
     # Rows 0-3 are req-a, 4-7 req-b, 8-11 req-c: NaN in the last row of a and the first of c.
-    reqs, _, _ = _verify_call("abort", {3: 1, 8: 2})
-    a, b, c = reqs
+    a, b, c = _verify_step("abort", {3: 1, 8: 2})[0]
     assert a.skip_radix_cache_insert and c.skip_radix_cache_insert and not b.skip_radix_cache_insert
-    assert "1 NaN" in a.to_finish.message and "2 NaN" in c.to_finish.message
-    assert b.to_finish is None
+    assert "1 NaN" in a.finished_reason.message and "2 NaN" in c.finished_reason.message
+    assert not b.finished()
+
+
+def test_verify_guard_aborts_only_dead_rows():
+    # req-a: partial NaN in its last row; req-c: its first tree node's row is dead.
+    a, b, c = _verify_step("guard", {3: 1}, dead_rows=(8,))[0]
+    assert isinstance(c.finished_reason, FINISH_ABORT) and c.skip_radix_cache_insert
+    assert "1 dead logit rows" in c.finished_reason.message and "verify" in c.finished_reason.message
+    assert not a.finished() and not b.finished()
 
 
 def test_verify_hook_raise_names_rids():
     with pytest.raises(NanLogitsError) as info:
-        _verify_call("raise", {4: 1, 11: 3})
+        _verify_step("raise", {4: 1, 11: 3})
     assert info.value.nan_counts == {"req-b": 1, "req-c": 3}
+
+
+def test_verify_abort_and_guard_add_no_host_sync(monkeypatch):
+    reads = HostReads().install(monkeypatch)
+    draft_probs = torch.softmax(torch.randn(len(RIDS), DRAFT_TOKEN_NUM - 1, VOCAB), -1)
+    draft_probs[0, 1, 2] = NAN
+    for policy in ("abort", "guard"):
+        _verify_step(policy, {3: 1}, dead_rows=(8,), draft_probs=draft_probs.clone())
+    assert reads.device == [], f"host syncs: {reads.device}"
+    # Per step: SGLang's read of its copied token ids, and the plugin's read of its copied counts.
+    assert reads.copied == ["tolist", "tolist"] * 2
+
+
+# ---------------------------------------------------------------- draft side
+
+
+def _chain_inputs(bs, num_steps, g):
+    """Inputs of SGLang's chain rejection sampling, chains of ``num_steps`` drafts per request."""
+    num_slots = num_steps + 1
+    target_probs = torch.softmax(2 * torch.randn(bs, num_slots, VOCAB, generator=g), -1)
+    draft_probs = torch.softmax(2 * torch.randn(bs, num_steps, VOCAB, generator=g), -1)
+    candidates = torch.cat(
+        [torch.zeros(bs, 1, dtype=torch.int64), torch.multinomial(draft_probs.view(-1, VOCAB), 1, generator=g).view(bs, -1)], 1
+    )
+    coins = torch.rand(bs, num_slots, generator=g, dtype=torch.float64).float()
+    final_coins = torch.rand(bs, generator=g, dtype=torch.float64).float()
+    return target_probs, draft_probs, candidates, coins, final_coins
+
+
+def _run_chain_kernel(target_probs, draft_probs, candidates, coins, final_coins, *, block_verification):
+    """SGLang's real ``chain_speculative_sampling_triton`` as ``eagle_sample`` calls it; returns
+    (predicts [bs * num_slots], accepted [bs])."""
+    from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton
+
+    bs, num_slots = candidates.shape
+    predicts = torch.full((bs * num_slots,), -1, dtype=torch.int32)
+    accept_index = torch.full((bs, num_slots), -1, dtype=torch.int32)
+    accepted = torch.zeros(bs, dtype=torch.int32)
+    retrieve_index = torch.arange(bs * num_slots).view(bs, num_slots)
+    chain_speculative_sampling_triton(
+        predicts, accept_index, accepted, candidates, retrieve_index, None, None, coins, final_coins,
+        target_probs, draft_probs, 1.0, 1.0, True, block_verification=block_verification,
+    )
+    return predicts, accepted
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="SGLang's Triton kernel on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("block_verification", [False, True])
+def test_draft_probs_reaching_rejection_sampling_are_cleaned(block_verification):
+    """The verify hook cleans ``verify_input.draft_probs`` in place before SGLang's kernel reads them.
+
+    Poisoned draft rows (NaN, +Inf, negative entries; one all-NaN row) must give exactly what
+    the kernel gives on the cleaned probabilities. With block verification (which forces
+    rejection sampling on) the raw ones change the result: the kernel's residual mass reads
+    them unguarded. The classic kernel guards each q itself, so there only equality is checked."""
+    from samplers._nan import clean_probs
+
+    g = torch.Generator().manual_seed(7)
+    bs, num_steps = 48, 3
+    target_probs, draft_probs, candidates, coins, final_coins = _chain_inputs(bs, num_steps, g)
+    draft_probs[0::4, 1, 3] = NAN
+    draft_probs[1::4, 1, 5] = -0.5
+    draft_probs[2::4, 2, 0] = float("inf")
+    draft_probs[3, 1] = NAN  # a row with no mass left: all its drafts are rejected
+    raw = draft_probs.clone()
+    storage = draft_probs.data_ptr()
+    expected = _run_chain_kernel(target_probs, clean_probs(raw, zero_rows="zero")[0], candidates, coins, final_coins,
+                                 block_verification=block_verification)
+    unsanitized = _run_chain_kernel(target_probs, raw.clone(), candidates, coins, final_coins,
+                                    block_verification=block_verification)
+
+    def eagle_sample(verify_input, batch, logits_output, grammar_mask=None, **kwargs):
+        return _run_chain_kernel(target_probs, verify_input.draft_probs, candidates, coins, final_coins,
+                                 block_verification=block_verification)
+
+    reqs = [make_req(f"r{i}") for i in range(bs)]
+    verify_input = types.SimpleNamespace(draft_token_num=num_steps + 1, draft_probs=draft_probs)
+    logits_output = LogitsProcessorOutput(next_token_logits=torch.zeros(bs * (num_steps + 1), VOCAB))
+    with applied_plugin("guard"):
+        got = registered_hook(sglang_plugin.VERIFY_TARGET)(eagle_sample, verify_input, _verify_batch(reqs), logits_output)
+    assert verify_input.draft_probs.data_ptr() == storage  # cleaned in place
+    assert torch.isfinite(draft_probs).all() and bool((draft_probs >= 0).all())
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    changed = not (torch.equal(unsanitized[0], expected[0]) and torch.equal(unsanitized[1], expected[1]))
+    assert changed == block_verification, "the poisoned inputs must change SGLang's block-verification result"
 
 
 def test_verify_hook_is_applied_where_eagle_verify_calls_it():
@@ -291,3 +498,35 @@ def test_pyproject_declares_entry_point_and_extra():
     project = pyproject["project"]
     assert project["entry-points"]["sglang.srt.plugins"]["safespec"] == "spec_decode.sglang_plugin:register"
     assert any(dep.startswith("sglang") for dep in project["optional-dependencies"]["sglang"])
+
+
+# ---------------------------------------------------------------- startup line and coverage warning
+
+
+@pytest.mark.parametrize("algorithm, warns", [(None, False), ("EAGLE", False), ("NEXTN", False), ("dflash", True),
+                                              ("DSPARK", True), ("UNO", True)])
+def test_announce_logs_policy_once_and_warns_on_uncovered_algorithm(caplog, algorithm, warns):
+    from sglang.srt.managers import scheduler
+
+    server_args = types.SimpleNamespace(speculative_algorithm=algorithm)
+    with applied_plugin("abort"), caplog.at_level(logging.INFO, logger=sglang_plugin.__name__):
+        # The hook runs after SGLang's own configure_scheduler_process (which configures logging).
+        assert scheduler.configure_scheduler_process.__wrapped__ is not None
+        hook = registered_hook(sglang_plugin.ANNOUNCE_TARGET)
+        hook(None, server_args, 0)
+        hook(None, server_args, 0)  # a second call in the same process logs nothing
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("NaN policy 'abort'" in line and "safespec SGLang plugin" in line for line in lines) == 1
+    warnings_ = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == (1 if warns else 0)
+    if warns:
+        assert algorithm.upper() in warnings_[0].getMessage() and "docs/sglang.md" in warnings_[0].getMessage()
+
+
+def test_hook_types_match_sglang_signatures():
+    from sglang.srt.plugins.hook_registry import HookType
+
+    types_ = sglang_plugin.hook_types()
+    assert set(types_) == set(sglang_plugin.HOOK_TARGETS)
+    assert types_[sglang_plugin.FINISH_TARGET] is HookType.BEFORE
+    assert types_[sglang_plugin.ANNOUNCE_TARGET] is HookType.AFTER

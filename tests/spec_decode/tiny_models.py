@@ -86,11 +86,14 @@ def make_tiny_eagle3(target: Transformer, path: str | Path | None = None, *, see
     """A random EAGLE-3 head for ``target``; ``draft_vocab_size`` < V keeps every other target id.
 
     The draft vocabulary is target ids ``0, 2, 4, ...`` (first ``draft_vocab_size`` even ids, then odd ones),
-    so that ``d2t`` is a non-trivial map. Saved to ``path`` when given.
+    so that ``d2t`` is a non-trivial map. ``aux_layers`` defaults to ``(3, 0, 1)``: SGLang's default repeats
+    layers on a 4-layer target, and an unsorted list exercises the ascending join. Saved to ``path`` when given.
     """
     V = target.config.vocab_size
     Vd = draft_vocab_size or V
     extra = {"draft_vocab_size": Vd}
+    if aux_layers is None and target.config.num_hidden_layers == 4:
+        aux_layers = (3, 0, 1)
     if aux_layers is not None:
         extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}
     torch.manual_seed(seed)

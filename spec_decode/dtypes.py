@@ -1,0 +1,33 @@
+"""Short dtype names (``"bf16"``, ``"fp16"``, ``"fp32"``) and their torch dtypes: the one map the project uses.
+
+The command line (``spec-bench --dtype``), the pytest plugin (``--spec-dtype``) and the tests all
+spell dtypes this way; each reads this module instead of keeping its own table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Short name -> torch dtype."""
+
+DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a short name (``"bf16"`` -> ``torch.bfloat16``).
+
+    Raises ValueError naming the accepted names when ``name`` is not one of them.
+    """
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``); ValueError when it has none."""
+    for name, d in DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"dtype must be one of {', '.join(str(d) for d in DTYPES.values())}, got {dtype!r}")
