@@ -467,12 +467,15 @@ class LayerInputs:
         cos, sin: [B, T, 1, D] (heads after tokens, as the fused q/k/v projection lays them out)
         write_pos: [B, T] int64
         mask: [B, 1, n_rep * T, S] bool: the n_rep query heads that share a kv head folded into the query axis
+        bias: [B, 1, n_rep * T, S] in the model dtype: 0 where ``mask``, -inf elsewhere. SDPA gives the same
+            bits with it as with ``mask`` but converts a bool mask again in every layer.
     """
 
     cos: Tensor
     sin: Tensor
     write_pos: Tensor
     mask: Tensor
+    bias: Tensor
 
     @classmethod
     def of_block(cls, blk: "BlockInputs", n_rep: int) -> "LayerInputs":
@@ -481,7 +484,8 @@ class LayerInputs:
         if n_rep > 1:
             B, _, T, S = mask.shape
             mask = mask[:, :, None].expand(B, 1, n_rep, T, S).reshape(B, 1, n_rep * T, S)
-        return cls(blk.cos.transpose(1, 2), blk.sin.transpose(1, 2), blk.write_pos, mask)
+        bias = torch.zeros(mask.shape, dtype=blk.cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return cls(blk.cos.transpose(1, 2), blk.sin.transpose(1, 2), blk.write_pos, mask, bias)
 
 
 class Attention(nn.Module):
@@ -526,7 +530,7 @@ class Attention(nn.Module):
         q = q.reshape(B, nkv, n_rep * T, D)
         if self.exact_nan:
             keys, values, finite = _zero_nonfinite_rows(keys, values)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=li.bias)
         if self.exact_nan:
             # A query that can see a non-finite key/value row is NaN in exact arithmetic; one that
             # masks it is not (SDPA alone would leak it: masked weight 0 * NaN = NaN).

@@ -7,7 +7,10 @@ Subcommands (``spec-bench [SUBCOMMAND] [OPTIONS]``, or ``python -m spec_decode.b
 * ``numerics``: the sanitize-and-count micro-benchmark (``spec_decode.bench.numerics_bench``);
   writes ``DIR/numerics.json``.
 * ``gpu-check``: a few-minute CUDA smoke check (``spec_decode.bench.gpu_check``).
-* ``profile``: cProfile breakdown of one method's decoding step (``spec_decode.bench.profile_step``).
+* ``profile``: the split of one speculative step in fractions of one ``ar`` step, through public hooks
+  (``spec_decode.bench.profile_step``).
+* ``tune``: a sweep over tree shapes on held-out prompts; writes ``DIR/tune.json`` and ``DIR/tune.png``
+  and names the best shape per temperature (``spec_decode.bench.tune``).
 
 The JSON layout is a contract for scripts; it is pinned in ``docs/bench.md`` and checked by
 ``tests/spec_decode/test_bench.py``.

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_KEYS, BenchConfig,
-                                      BenchInputError, default_fixtures_dir)
+                                      BenchInputError, default_dtype_name, default_fixtures_dir)
+from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
 
 SUBCOMMANDS = ("numerics", "gpu-check", "profile", "tune")
 
@@ -28,19 +29,30 @@ def csv_list(kind):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_input_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint and prompt options that ``spec-bench`` and its profile and tune subcommands share
+    (defaults: the shipped fixtures)."""
     fx = default_fixtures_dir()
+    p.add_argument("--target", type=Path, default=fx / TARGET_SUBDIR, help="HF-layout target checkpoint")
+    p.add_argument("--draft-lm", type=Path, default=fx / DRAFT_SUBDIR,
+                   help="plain draft LM (draft_chain, hf_assisted)")
+    p.add_argument("--eagle", type=Path, default=fx / EAGLE_SUBDIR, help="EAGLE-1/2 head")
+    p.add_argument("--eagle3", type=Path, default=fx / EAGLE3_SUBDIR, help="EAGLE-3 head (optional)")
+    p.add_argument("--prompts", type=Path, default=fx / PROMPTS_FILE, help="JSONL with 'token_ids' per line")
+
+
+def input_paths(args: argparse.Namespace) -> dict:
+    """The ``BenchConfig`` fields of the options ``add_input_args`` adds."""
+    return {name: getattr(args, name) for name in ("target", "draft_lm", "eagle", "eagle3", "prompts")}
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spec-bench",
         description="Compare autoregressive, HF generate/assisted and our speculative methods side by side; "
                     "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
                     "'spec-bench gpu-check -h', 'spec-bench profile -h', 'spec-bench tune -h'.")
-    p.add_argument("--target", type=Path, default=fx / "models/tiny-target", help="HF-layout target checkpoint")
-    p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft",
-                   help="plain draft LM (draft_chain, hf_assisted)")
-    p.add_argument("--eagle", type=Path, default=fx / "models/tiny-eagle", help="EAGLE-1/2 head")
-    p.add_argument("--eagle3", type=Path, default=fx / "models/tiny-eagle3", help="EAGLE-3 head (optional)")
-    p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl", help="JSONL with 'token_ids' per line")
+    add_input_args(p)
     p.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--methods", type=csv_list(str), default=METHOD_KEYS, help=f"comma list of {','.join(METHOD_KEYS)}")
@@ -82,10 +94,9 @@ def resolve_device(name: str):
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of parsed arguments; ValueError naming the option on bad values."""
     device = resolve_device(args.device)
-    dtypes = args.dtype or (("bf16",) if device.type == "cuda" else ("fp32",))
+    dtypes = args.dtype or (default_dtype_name(device.type),)
     return BenchConfig(
-        target=args.target, draft_lm=args.draft_lm, eagle=args.eagle, eagle3=args.eagle3, prompts=args.prompts,
-        out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperatures=tuple(args.temperatures), dtypes=tuple(dtypes), batch_size=args.batch_size, seed=args.seed,
         threads=args.threads, device=str(device), nan_rounds=args.nan_rounds, progress=not args.no_progress)
 
@@ -141,16 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     from spec_decode.bench.report import markdown_table
     from spec_decode.bench.run import run_bench
 
+    from spec_decode.bench.machine import torch_threads
+
     threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    elif cfg.device == "cpu" and threads > 1 and _busy(threads):
+    if cfg.threads is None and cfg.device == "cpu" and threads > 1 and _busy(threads):
         print(f"note: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {threads} torch threads "
               "oversubscribe a busy CPU (tiny models can run 10-100x slower). Consider --threads 1.",
               file=sys.stderr)
     needs_hf = any(m.startswith("hf_") for m in cfg.methods)
     try:
-        with _quiet_transformers() if needs_hf else contextlib.nullcontext():
+        with torch_threads(cfg.threads), _quiet_transformers() if needs_hf else contextlib.nullcontext():
             results = run_bench(cfg)
     except BenchInputError as e:
         parser.error(str(e))   # exits with status 2
@@ -158,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
         if (Path(cfg.out) / "results.json").is_file():
             print(f"spec-bench: failed; what was measured is in {Path(cfg.out) / 'results.json'}", file=sys.stderr)
         raise
-    finally:
-        torch.set_num_threads(threads)   # main() may run inside another program (tests)
     print(markdown_table(results))
     for key, why in cfg.skipped.items():
         print(f"skipped {key}: {why}")

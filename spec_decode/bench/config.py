@@ -67,6 +67,12 @@ class BenchInputError(ValueError):
     """Bad input to ``spec-bench``; the message starts with the option at fault (the CLI exits with status 2)."""
 
 
+def default_dtype_name(device_type: str) -> str:
+    """The dtype a run uses unless ``--dtype`` says otherwise: bf16 on CUDA, fp32 on CPU (where bf16
+    matmuls are slow without native support)."""
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
 def default_fixtures_dir() -> Path:
     """The shipped fixtures (``spec_decode.fixtures.find_fixtures_dir``), else ``./fixtures`` so that errors name it."""
     return find_fixtures_dir() or Path("fixtures")

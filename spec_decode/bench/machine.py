@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -64,6 +65,19 @@ def _source_version() -> str | None:
     except OSError:
         pass
     return None
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """Run the block with ``n`` torch intra-op threads (None: leave them), restoring the number after:
+    the benchmark's entry points may run inside another program (the tests)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def sync(device: torch.device) -> None:

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import METHOD_SPECS, BenchConfig, default_fixtures_dir, load_prompts
-from spec_decode.bench.machine import sync
+from spec_decode.bench.cli import add_input_args, input_paths, resolve_device
+from spec_decode.bench.config import METHOD_SPECS, BenchConfig, BenchInputError, default_dtype_name, load_prompts
+from spec_decode.bench.machine import sync, torch_threads
 
 AR_STEP = "ar_step"
 UNACCOUNTED = "unaccounted"
@@ -214,21 +215,16 @@ def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fx = default_fixtures_dir()
     ours = [k for k, s in METHOD_SPECS.items() if s.speculative]
     p = argparse.ArgumentParser(prog="spec-bench profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="eagle_chain", help=f"one of {','.join(ours)} (default eagle_chain)")
-    p.add_argument("--target", type=Path, default=fx / "models/tiny-target")
-    p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft")
-    p.add_argument("--eagle", type=Path, default=fx / "models/tiny-eagle")
-    p.add_argument("--eagle3", type=Path, default=fx / "models/tiny-eagle3")
-    p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl")
+    add_input_args(p)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (use 1 on a busy machine)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print the top N functions by own time, from a separate cProfile pass")
     p.add_argument("--json", type=Path, default=None, help="also write the split to this JSON file")
@@ -237,8 +233,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from spec_decode import pipeline
-    from spec_decode.bench.cli import resolve_device
-    from spec_decode.bench.config import BenchInputError
     from spec_decode.bench.methods import ModelCache
     from spec_decode.bench.run import check_inputs
 
@@ -249,34 +243,29 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--method: expected one of our speculative methods, got {args.method!r}")
     try:
         device = resolve_device(args.device)
-        cfg = BenchConfig(target=args.target, draft_lm=args.draft_lm, eagle=args.eagle, eagle3=args.eagle3,
-                          prompts=args.prompts, methods=("ar", args.method), num_prompts=args.num_prompts,
-                          max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), dtypes=(args.dtype,),
+        dtype = args.dtype or default_dtype_name(device.type)
+        cfg = BenchConfig(**input_paths(args), methods=("ar", args.method), num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), dtypes=(dtype,),
                           threads=args.threads, device=str(device), nan_rounds=0)
         if cfg.resolve_methods() != ("ar", args.method):
             raise BenchInputError(f"--method {args.method}: {cfg.skipped[args.method]}")
         vocab = check_inputs(cfg, ("ar", args.method))
         prompts = load_prompts(cfg.prompts, cfg.num_prompts, vocab)[:cfg.num_prompts]
-        models = ModelCache(cfg, args.dtype, device)
+        models = ModelCache(cfg, dtype, device)
         runner, ar = models.runner(spec), models.runner(METHOD_SPECS["ar"])
     except ValueError as e:   # BenchInputError and BenchConfig's checks name the option
         p.error(str(e))
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    try:
+    with torch_threads(cfg.threads):
         split = profile_split(runner.decoder, ar.decoder, runner.modules[1], prompts, args.max_new_tokens,
                               phases=pipeline.PHASES, temperature=args.temperature, seed=cfg.seed, device=device)
-        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {args.dtype}, "
+        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {dtype}, "
                  f"temperature {args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                  f"{torch.get_num_threads()} thread(s)")
         print(format_split(title, split))
         if args.json is not None:
-            args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": args.dtype,
+            args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": dtype,
                                              "temperature": args.temperature, "num_prompts": len(prompts),
                                              "max_new_tokens": args.max_new_tokens, **split}, indent=2))
         if args.cprofile > 0:
             print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile))
-    finally:
-        torch.set_num_threads(threads)
     return 0

@@ -10,8 +10,8 @@ Measurement protocol (why each choice):
   alike, so the ratios stay honest.
 * ``tokens_per_s`` = generated tokens / summed wall time of the measured ``generate`` calls
   (prefill included). Every method generates exactly ``max_new_tokens`` tokens per prompt.
-* NaN-policy cost: EAGLE-tree decoders with policy off / sanitize / abort share one target and
-  head and run each prompt batch back to back, in rotated order; the overhead is the median paired
+* NaN-policy cost: EAGLE-tree decoders with policy off / sanitize / abort / guard share one target
+  and head and run each prompt batch back to back, in rotated order; the overhead is the median paired
   step-time difference over the median ``off`` step (``nan_policy_stage``).
 """
 
@@ -314,9 +314,9 @@ def _assemble(cfg: BenchConfig, keys, by_temp: dict) -> dict:
 
 # ---------------------------------------------------------------------- NaN policy cost
 def nan_policy_stage(cfg: BenchConfig, models: ModelCache, batches, device: torch.device, bar) -> dict:
-    """EAGLE tree step time with nan_policy off / sanitize / abort: the cost of NaN safety.
+    """EAGLE tree step time with nan_policy off / sanitize / abort / guard (``NAN_MODES``): the cost of NaN safety.
 
-    Every (round, batch) runs the three modes back to back in rotated order. Greedy decoding of
+    Every (round, batch) runs the modes back to back in rotated order. Greedy decoding of
     NaN-free logits takes the same path in every mode, so step ``i`` of a mode and step ``i`` of
     ``off`` do the same work but for the NaN pass: the headline overhead is the median of these
     paired step differences over the median ``off`` step, in percent, which a burst of load from

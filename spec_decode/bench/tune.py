@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from spec_decode.bench.cli import add_input_args, csv_list, input_paths, resolve_device
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_SPECS, BenchConfig,
-                                      BenchInputError, MethodSpec, check_out_dir, default_fixtures_dir, load_prompts)
+                                      BenchInputError, MethodSpec, check_out_dir, default_dtype_name, load_prompts)
+from spec_decode.bench.machine import torch_threads
 
 # (num_steps, topk, num_draft_tokens): six chains, then trees from narrow to wide.
 DEFAULT_SHAPES = (
@@ -46,6 +48,7 @@ def shape_key(shape: tuple[int, int, int]) -> str:
 
 
 def is_chain(shape: tuple[int, int, int]) -> bool:
+    """True for a chain: ``topk=1`` and ``num_draft_tokens = num_steps + 1`` (one node per depth, root included)."""
     num_steps, topk, num_draft_tokens = shape
     return topk == 1 and num_draft_tokens == num_steps + 1
 
@@ -165,16 +168,10 @@ def _num(v, spec: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spec_decode.bench.cli import csv_list
-
-    fx = default_fixtures_dir()
     p = argparse.ArgumentParser(prog="spec-bench tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", default="eagle", choices=tuple(DRAFTERS), help="the drafter to tune (default eagle)")
-    p.add_argument("--target", type=Path, default=fx / "models/tiny-target")
-    p.add_argument("--draft-lm", type=Path, default=fx / "models/tiny-draft", help="drafter of --method draft_model")
-    p.add_argument("--eagle", type=Path, default=fx / "models/tiny-eagle", help="drafter of --method eagle")
-    p.add_argument("--eagle3", type=Path, default=fx / "models/tiny-eagle3", help="drafter of --method eagle3")
-    p.add_argument("--prompts", type=Path, default=fx / "prompts.jsonl", help="JSONL with 'token_ids' per line")
+    p.add_argument("--method", default="eagle", choices=tuple(DRAFTERS),
+                   help="the drafter to tune: --eagle, --eagle3 or --draft-lm (default eagle)")
+    add_input_args(p)
     p.add_argument("--first-prompt", type=int, default=DEFAULT_FIRST_PROMPT,
                    help=f"index of the first prompt used (default {DEFAULT_FIRST_PROMPT}: after spec-bench's "
                         "measured and warm-up prompts)")
@@ -195,31 +192,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``spec-bench tune``; returns the exit code (2 with a message naming the option on bad input)."""
-    from spec_decode.bench.cli import resolve_device
-
     p = build_parser()
     args = p.parse_args(argv)
     if args.first_prompt < 0:
         p.error(f"--first-prompt must be >= 0, got {args.first_prompt}")
     try:
         device = resolve_device(args.device)
-        dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-        cfg = BenchConfig(target=args.target, draft_lm=args.draft_lm, eagle=args.eagle, eagle3=args.eagle3,
-                          prompts=args.prompts, out=args.out, methods=("ar", base_method_key(args.method)),
+        dtype = args.dtype or default_dtype_name(device.type)
+        cfg = BenchConfig(**input_paths(args), out=args.out, methods=("ar", base_method_key(args.method)),
                           num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                           temperatures=tuple(args.temperatures), dtypes=(dtype,), seed=args.seed,
                           threads=args.threads, device=str(device), nan_rounds=0, progress=not args.no_progress)
     except ValueError as e:   # BenchConfig's checks and resolve_device name the option
         p.error(str(e))
-    threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     try:
-        results = run_tune(cfg, args.method, args.shapes, args.first_prompt)
+        with torch_threads(cfg.threads):
+            results = run_tune(cfg, args.method, args.shapes, args.first_prompt)
     except BenchInputError as e:
         p.error(str(e))
-    finally:
-        torch.set_num_threads(threads)   # main() may run inside another program (tests)
     print(format_tune(results))
     print(f"wrote {Path(args.out) / 'tune.json'} and {Path(args.out) / 'tune.png'}", file=sys.stderr)
     return 0

@@ -44,3 +44,125 @@ def test_ancestor_mask_with_padding_nodes():
     mask = ancestor_mask(parents, 2)[0]
     assert mask[3].tolist() == [True, True, False, True, False]
     assert mask[2].tolist() == [False, False, True, False, False]
+
+
+# ------------------------------------------------------------------ incremental drafting vs a full recompute
+def _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, num_steps, topk, num_draft_tokens):
+    """The straightforward EAGLE-2 expansion: every depth re-runs ALL spec rows with a fresh ancestor mask."""
+    from spec_decode.drafting import _Pool, _greedy_children, _select_tree
+
+    B, k = root.shape[0], topk
+    lp, ids = _greedy_children(first_logits, k)
+    pool = _Pool(B, k + (num_steps - 1) * k * k, root.device)
+    no = torch.zeros_like(ids, dtype=torch.bool)
+    pool.add(lp, drafter.to_target_ids(ids), torch.full_like(ids, -1), no, 1)
+    frontier_pool, frontier_score = torch.arange(k).expand(B, k), lp
+    frontier_tokens = pool.tokens[0]
+    frontier_hidden = None if first_hidden is None else first_hidden[:, None].expand(B, k, -1)
+    spec_tokens, spec_hidden, spec_parent = [], [], []
+    for step in range(1, num_steps):
+        parent_rows = torch.full((B, k), -1) if step == 1 else frontier_parent_row
+        spec_tokens.append(frontier_tokens)
+        spec_parent.append(parent_rows)
+        if frontier_hidden is not None:
+            spec_hidden.append(frontier_hidden)
+        tokens, parents = torch.cat(spec_tokens, 1), torch.cat(spec_parent, 1)
+        R = tokens.shape[1]
+        offset = torch.arange(step).repeat_interleave(k).expand(B, R)
+        hidden, feedback = drafter.draft_forward(tokens, torch.cat(spec_hidden, 1) if spec_hidden else None, cache,
+                                                 position_ids=cache.lengths[:, None] + offset,
+                                                 tree_mask=ancestor_mask(parents, step))
+        base = (step - 1) * k
+        lp, ids = _greedy_children(drafter.compute_logits(hidden[:, base:base + k]), k)
+        cand_score = (frontier_score[:, :, None] + lp).reshape(B, k * k)
+        pool_base = pool.add(cand_score, drafter.to_target_ids(ids).reshape(B, k * k),
+                             frontier_pool[:, :, None].expand(B, k, k).reshape(B, k * k),
+                             torch.zeros(B, k * k, dtype=torch.bool), step + 1)
+        if step + 1 < num_steps:
+            frontier_score, pick = torch.topk(cand_score, k, dim=-1)
+            frontier_pool = pool_base + pick
+            frontier_tokens = pool.tokens[-1].gather(1, pick)
+            frontier_parent_row = base + torch.div(pick, k, rounding_mode="floor")
+            if feedback is not None:
+                frontier_hidden = feedback.gather(1, frontier_parent_row[:, :, None].expand(B, k, feedback.shape[-1]))
+    return _select_tree(root, pool, num_draft_tokens, num_steps, None, None, drafter)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("shape", [(5, 4, 8), (4, 3, 20), (4, 1, 5)], ids=["5-4-8", "4-3-20", "chain4"])
+def test_incremental_drafting_builds_the_same_trees_as_a_full_recompute(tmp_path, kind, shape):
+    """Caching the spec rows' K/V and feeding one depth per call changes the cost, not the tree."""
+    from spec_decode.drafting import draft_tree
+    from spec_decode.model import Transformer
+    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
+
+    target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)
+    drafter = {"eagle": lambda: make_tiny_eagle(target, seed=1),
+               "eagle3": lambda: make_tiny_eagle3(target, draft_vocab_size=61),
+               "draft_model": lambda: Transformer.from_pretrained(
+                   make_tiny_target(tmp_path, seed=5, name="d", num_hidden_layers=1), dtype=torch.float32)}[kind]()
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46]])
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(2, 64), aux_layers=drafter.aux_layers)
+        cache = drafter.new_cache(2, 64)
+        feats = drafter.features(out)
+        hidden, feedback = drafter.draft_forward(prompts, feats, cache)
+        cache.commit(torch.tensor([6, 6]))
+        first_logits = drafter.compute_logits(hidden[:, -1])
+        first_hidden = None if feedback is None else feedback[:, -1]
+        root = torch.tensor([7, 11])
+        steps, k, n = shape
+        ref = _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, steps, k, n)
+        new = draft_tree(drafter, cache, root, first_logits, first_hidden, num_steps=steps, topk=k,
+                         num_draft_tokens=n, kv_len=6)
+    assert torch.equal(new.tokens, ref.tokens) and torch.equal(new.parents, ref.parents)
+    assert torch.equal(new.depth, ref.depth)
+    assert torch.equal(new.tree_mask, ref.tree_mask)
+    assert torch.equal(new.tree_mask, ancestor_mask(new.parents, steps))
+    assert torch.equal(cache.lengths, torch.tensor([6, 6]))   # nothing speculative was committed
+
+
+@pytest.mark.parametrize("shape, budget", [((5, 4, 8), [3, 1, 1, 1, 1]), ((4, 1, 5), [1, 1, 1, 1]),
+                                           ((3, 3, 7), [3, 2, 1]), ((6, 2, 4), [1, 1, 1, 0, 0, 0]),
+                                           ((2, 2, 7), [2, 2])])
+def test_sampled_depth_budget(shape, budget):
+    from spec_decode.drafting import sampled_depth_budget
+
+    assert sampled_depth_budget(*shape) == budget
+
+
+def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
+    """Sampled rows: real nodes = the budget, siblings distinct, q at every expanded node; greedy rows unchanged."""
+    from spec_decode.drafting import DraftSampling, draft_tree, sampled_depth_budget
+    from spec_decode.model import Transformer
+    from tiny_models import make_tiny_eagle, make_tiny_target
+
+    target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)
+    head = make_tiny_eagle(target, seed=1)
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35]] * 4)
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(4, 64))
+        cache = head.new_cache(4, 64)
+        hidden, feedback = head.draft_forward(prompts, head.features(out), cache)
+        cache.commit(torch.full((4,), 6))
+        args = (head, cache, torch.full((4,), 7), head.compute_logits(hidden[:, -1]), feedback[:, -1])
+        shape = dict(num_steps=4, topk=3, num_draft_tokens=9)
+        sampled = torch.tensor([True, False, True, False])
+        gens = [torch.Generator().manual_seed(s) for s in range(4)]
+        tree = draft_tree(*args, **shape, kv_len=6, sampling=DraftSampling(
+            sampled, torch.ones(4), None, None, gens))
+        greedy = draft_tree(*args, **shape, kv_len=6)
+    for r in (1, 3):
+        assert torch.equal(tree.tokens[r], greedy.tokens[r]) and torch.equal(tree.parents[r], greedy.parents[r])
+    budget = sampled_depth_budget(4, 3, 9)
+    for r in (0, 2):
+        parents, depth = tree.parents[r], tree.depth[r]
+        real = parents >= 0
+        assert int(real.sum()) == sum(budget)
+        assert [int((real & (depth == d)).sum()) for d in range(1, 5)] == budget
+        for node in range(tree.tokens.shape[1]):
+            kids = tree.tokens[r][real & (parents == node)]
+            assert len(set(kids.tolist())) == len(kids)                  # without replacement
+            if len(kids):
+                q = tree.draft_probs[r, node]
+                assert torch.allclose(q.sum(), torch.tensor(1.0)) and bool((q[kids] > 0).all())

@@ -1,0 +1,105 @@
+"""``num_steps="auto"``: the depth chooser, and losslessness at every depth it may pick (0 included)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from spec_decode import SpecDecoder
+from spec_decode.model import Transformer
+from spec_decode.pipeline import DepthController
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
+
+    root = tmp_path_factory.mktemp("auto_models")
+    target = Transformer.from_pretrained(make_tiny_target(root, seed=0), dtype=torch.float32)
+    return dict(target=target, eagle=make_tiny_eagle(target, seed=1),
+                eagle3=make_tiny_eagle3(target, draft_vocab_size=61), draft_model=target)
+
+
+@pytest.fixture(scope="module")
+def ar(models):
+    dec = SpecDecoder(models["target"], None, method="none")
+    return [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=24)]
+
+
+class Scripted:
+    """A stand-in controller that replays fixed depths, to reach every catch-up pattern."""
+
+    def __init__(self, depths):
+        self.depths = itertools.cycle(depths)
+
+    def choose(self, regime):
+        return next(self.depths)
+
+    def record(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("depths", [[3, 0, 0, 2, 0, 1], [0, 0, 0, 3], [1]], ids=["mixed", "backlog", "shallow"])
+def test_any_depth_sequence_is_lossless(models, ar, method, depths):
+    """Plain steps queue their tokens for the drafter; the next speculative step catches up on all."""
+    dec = SpecDecoder(models["target"], models[method], method=method, num_steps="auto", topk=3,
+                      num_draft_tokens=7)
+    dec.depth_controller = Scripted(depths)
+    out = dec.generate(PROMPTS, max_new_tokens=24)
+    assert [r.token_ids for r in out] == ar
+    assert set(dec.last_stats.depths) == set(depths)
+
+
+def test_auto_is_lossless_and_reports_its_mode(models, ar):
+    dec = SpecDecoder(models["target"], models["draft_model"], method="draft_model", num_steps="auto", topk=2,
+                      num_draft_tokens=6)
+    assert dec.num_steps == "auto" and dec.max_steps == 5
+    for _ in range(2):   # statistics carry over between calls
+        out = dec.generate(PROMPTS, max_new_tokens=24)
+        assert [r.token_ids for r in out] == ar
+    assert set(dec.last_stats.depths) <= set(range(6))
+
+
+def _controller_after(acceptance, step_time, max_depth=4, steps=40):
+    """Feed a controller synthetic steps: ``acceptance`` drafts accepted (capped by depth), fixed times."""
+    ctl = DepthController(max_depth)
+    for _ in range(steps):
+        d = ctl.choose("greedy")
+        ctl.record(d, step_time(d), [1 + min(acceptance, d)], "greedy")
+    return ctl
+
+
+def test_controller_explores_the_deepest_depth_then_a_plain_step():
+    ctl = DepthController(4)
+    first = ctl.choose("sampled")
+    ctl.record(first, 2.0, [1], "sampled")
+    second = ctl.choose("sampled")
+    assert (first, second) == (4, 0)
+
+
+def test_controller_drops_to_plain_steps_when_drafts_never_pass():
+    ctl = _controller_after(acceptance=0, step_time=lambda d: 1.0 + 0.3 * d)
+    picks = [ctl.choose("greedy") for _ in range(15)]
+    assert picks.count(0) >= 14   # at most one probe
+
+
+def test_controller_drafts_deep_when_drafts_always_pass():
+    ctl = _controller_after(acceptance=4, step_time=lambda d: 1.0 + 0.2 * d)
+    assert ctl.choose("greedy") == 4
+
+
+def test_controller_balances_acceptance_against_cost():
+    # two drafts always pass, the third never: depth 2 gives 3 tokens for 1.4, depth 4 gives 3 for 1.8
+    ctl = _controller_after(acceptance=2, step_time=lambda d: 1.0 + 0.2 * d)
+    assert ctl.choose("greedy") == 2
+
+
+def test_controller_keeps_regimes_apart():
+    ctl = _controller_after(acceptance=4, step_time=lambda d: 1.0 + 0.2 * d)
+    assert ctl.choose("sampled") == 4   # sampled batches start exploring afresh
+    ctl.record(4, 1.8, [1], "sampled")
+    assert ctl.choose("sampled") == 0 and ctl.choose("greedy") == 4
