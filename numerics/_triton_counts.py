@@ -128,7 +128,7 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
         returns ``NonfiniteCounts`` of three int32 [num_reqs] (views of one [3, num_reqs + 1]).
     """
     from .counts import NonfiniteCounts
-    from .sanitize import sanitize_bound
+    from .sanitize import _distinct_elements, _sanitize_reference, sanitize_bound
 
     if triton is None:
         raise RuntimeError(
@@ -140,6 +140,12 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
             "TRITON_INTERPRET=1 before triton is first imported "
             f"(now TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}), or use backend=\"torch\""
         )
+    if sanitize and _distinct_elements(logits).shape != logits.shape:
+        # An expanded (stride-0) view: programs would sanitize memory that other rows still
+        # have to count. Count first, then sanitize each shared element once (rare: 2 passes).
+        counts = nonfinite_counts_triton(logits, cu_num_rows, sanitize=False)
+        _sanitize_reference(logits)
+        return counts
     num_rows, vocab = logits.shape
     num_reqs = cu_num_rows.shape[0] - 1
     # One spare column per count (the dump bin) so the kernel never gets an empty tensor.

@@ -43,6 +43,21 @@ def _row_owner(cu_num_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where(owner < 0, num_reqs, owner)
 
 
+def _row_counts(logits: torch.Tensor) -> torch.Tensor:
+    """NaN entries, +-Inf entries and deadness of every row, entry by entry. No host sync.
+
+    Shape: logits [n, V]; returns int32 [3, n] (rows: NaN count, Inf count, 1 if dead).
+    """
+    vocab = logits.shape[-1]
+    out = torch.empty(3, logits.shape[0], dtype=torch.int32, device=logits.device)
+    torch.sum(torch.isnan(logits), dim=-1, dtype=torch.int32, out=out[0])
+    finite = torch.isfinite(logits).sum(dim=-1, dtype=torch.int32)
+    # Every entry is exactly one of NaN, Inf, finite: Inf and deadness follow without another read.
+    torch.sub(vocab - finite, out[0], out=out[1])
+    torch.eq(finite, 0, out=out[2]) if vocab else out[2].zero_()  # V == 0: finite, not dead
+    return out
+
+
 def _nonfinite_counts_reference(
     logits: torch.Tensor, cu_num_rows: torch.Tensor, *, sanitize: bool = False
 ) -> NonfiniteCounts:
@@ -51,19 +66,28 @@ def _nonfinite_counts_reference(
     Shape:
         logits: [num_rows, V]; cu_num_rows: [num_reqs + 1]; returns three int32 [num_reqs].
     """
-    num_rows, vocab = logits.shape
+    num_rows = logits.shape[0]
     num_reqs = cu_num_rows.shape[0] - 1
-    row_counts = torch.empty(3, num_rows, dtype=torch.int32, device=logits.device)  # nan, inf, dead
-    torch.sum(torch.isnan(logits), dim=-1, dtype=torch.int32, out=row_counts[0])
-    finite = torch.isfinite(logits).sum(dim=-1, dtype=torch.int32)  # [num_rows]
-    # Every entry is exactly one of NaN, Inf, finite.
-    torch.sub(vocab - finite, row_counts[0], out=row_counts[1])
-    torch.eq(finite, 0, out=row_counts[2]) if vocab else row_counts[2].zero_()
+    owner = _row_owner(cu_num_rows, num_rows)  # [num_rows]
     counts = torch.zeros(3, num_reqs + 1, dtype=torch.int32, device=logits.device)
-    counts.index_add_(1, _row_owner(cu_num_rows, num_rows), row_counts)
+    if logits.device.type == "cpu" and _CPU_ROW_SUM_FILTER:
+        # A row whose sum is finite holds no NaN and no Inf (either makes the sum NaN or Inf),
+        # so only the flagged rows (non-finite entries, or a finite sum that overflowed) are
+        # counted entry by entry. The row sum is one vectorized read, ~10x cheaper than
+        # counting a boolean mask, and the counts stay exact. nonzero() gives a data-sized
+        # tensor: on CPU that reads host memory, no device sync; elsewhere this branch is off.
+        flagged = (~torch.isfinite(logits.sum(dim=-1))).nonzero().squeeze(1)  # [n_flagged]
+        counts.index_add_(1, owner.index_select(0, flagged), _row_counts(logits.index_select(0, flagged)))
+    else:
+        counts.index_add_(1, owner, _row_counts(logits))
     if sanitize:
         _sanitize_reference(logits)
     return NonfiniteCounts(counts[0, :num_reqs], counts[1, :num_reqs], counts[2, :num_reqs])
+
+
+_CPU_ROW_SUM_FILTER = True
+"""CPU only: count entry by entry only the rows whose sum is not finite (tests turn it off to
+check the every-row path that devices take)."""
 
 
 def _nan_counts_reference(

@@ -9,7 +9,9 @@ import torch
 
 from . import (
     NanLogitsError,
-    nan_counts_per_request,
+    NanPolicy,
+    dead_row_mask,
+    nonfinite_counts_per_request,
     nonfinite_row_mask,
     raise_if_nan_logits,
     sanitize_nan_logits,
@@ -35,6 +37,7 @@ def main() -> None:
     _section("logits with NaN/Inf rows (float32)")
     print(logits)
     print("non-finite rows:", nonfinite_row_mask(logits).tolist())
+    print("dead rows (no finite value):", dead_row_mask(logits).tolist())
 
     _section("sanitize_nan_logits (in place): NaN/-Inf -> -1e30, +Inf -> 1e30, clamp to +-1e30")
     sanitize_nan_logits(logits, "demo.logits")  # also logs a one-shot warning naming the site
@@ -48,7 +51,7 @@ def main() -> None:
     wrong = torch.softmax(torch.nan_to_num(logits.clone().fill_(INF)) / t, dim=-1)
     print("for contrast, torch.nan_to_num (dtype max) on an all-Inf row gives:", wrong[0].tolist())
 
-    _section("NaN counts per request on a verify-shaped batch")
+    _section("NaN counts per request on a verify-shaped batch (NaN, Inf and dead rows, one pass)")
     # 4 requests with K=3 draft tokens -> K+1 = 4 rows each, except 'b', which has no rows
     # (finished); the last 2 rows are padding that belongs to no request.
     req_ids = ["a", "b", "c", "d"]
@@ -58,13 +61,20 @@ def main() -> None:
     verify_logits[9, :] = NAN  # request 'd', a whole row
     verify_logits[13, :7] = NAN  # padding: ignored
     print("cu_num_rows:", cu_num_rows.tolist(), "| logits shape:", tuple(verify_logits.shape))
-    counts = nan_counts_per_request(verify_logits, cu_num_rows, sanitize=True)
-    print("NaN counts per request:", dict(zip(req_ids, counts.tolist())))
+    counts = nonfinite_counts_per_request(verify_logits, cu_num_rows, sanitize=True)
+    nan, dead = counts.nan.tolist(), counts.dead_rows.tolist()  # one host read of the counts
+    print("NaN counts per request:", dict(zip(req_ids, nan)))
+    print("dead rows per request: ", dict(zip(req_ids, dead)))
     print("logits finite after sanitize=True:", bool(torch.isfinite(verify_logits).all()))
+
+    _section(f"NanPolicy '{NanPolicy.resolve().value}' (the default): sanitize partial NaN, finish dead rows")
+    for rid, n, d in zip(req_ids, nan, dead):
+        verdict = "finished (nan_abort)" if d else ("sanitized, continues" if n else "clean")
+        print(f"request {rid!r}: {verdict}")
 
     _section("NanPolicy 'raise': raise_if_nan_logits")
     try:
-        raise_if_nan_logits(dict(zip(req_ids, counts.tolist())))
+        raise_if_nan_logits(dict(zip(req_ids, nan)))
     except NanLogitsError as err:
         print(f"NanLogitsError: {err}")
         print("err.nan_counts =", err.nan_counts)

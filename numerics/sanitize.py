@@ -66,12 +66,27 @@ def check_float_logits(logits: torch.Tensor, name: str = "logits") -> None:
         )
 
 
+def _distinct_elements(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without its broadcast dimensions (stride 0, size > 1): each memory location once.
+
+    In-place ops refuse an expanded view ("more than one element of the written-to tensor
+    refers to a single memory location"); an elementwise op on this narrower view writes the
+    same memory, so every element of ``x`` sees the result.
+    """
+    for dim in range(x.dim()):
+        if x.stride(dim) == 0 and x.shape[dim] > 1:
+            x = x.narrow(dim, 0, 1)
+    return x
+
+
 def _sanitize_reference(logits: torch.Tensor) -> torch.Tensor:
-    """Pure-torch in-place sanitize; no warning, no validation, no host sync."""
+    """Pure-torch in-place sanitize; no warning, no validation, no host sync. Returns ``logits``."""
     c = _SANITIZE_BOUND[logits.dtype]
-    torch.nan_to_num_(logits, nan=-c, posinf=c, neginf=-c)
+    distinct = _distinct_elements(logits)
+    torch.nan_to_num_(distinct, nan=-c, posinf=c, neginf=-c)
     # Finite values beyond +-c would overflow after division by a small temperature.
-    return logits.clamp_(-c, c)
+    distinct.clamp_(-c, c)
+    return logits
 
 
 def sanitize_nan_logits(logits: torch.Tensor, msg: str = "", *, warn: bool = True) -> torch.Tensor:
@@ -86,7 +101,10 @@ def sanitize_nan_logits(logits: torch.Tensor, msg: str = "", *, warn: bool = Tru
     (such a row becomes uniform).
 
     Shape:
-        logits: any shape, float16/bfloat16/float32/float64, any device, may be a view.
+        logits: any shape, float16/bfloat16/float32/float64, any device, may be a view,
+            including an expanded (stride-0) view: each memory location it shares is
+            sanitized once, and every element that refers to it reads the result (the base
+            tensor changes, as with any in-place op on a view).
         returns: the same tensor object.
 
     Parameters

@@ -75,8 +75,12 @@ class AsyncNanWarner:
             tensor: any shape; non-floating tensors never hold NaN and are ignored.
 
         On CUDA the warning appears on a later ``check``/``flush`` call, once the
-        flag's copy has landed.
+        flag's copy has landed. Only NaN warns (Inf is sanitized silently; see the glossary
+        in ``numerics.policy``). Anything but a tensor (None included) raises ``ValueError``
+        naming ``tensor``, even after the warning has fired.
         """
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
         if self.warned or not tensor.is_floating_point():
             return
         if not self._uses_async_path(tensor):

@@ -84,7 +84,8 @@ class DraftTree:
         tree_mask    [B, N, N] bool, tree_mask[b, i, j] = j is i or an ancestor of i
         draft_probs  [B, N, V] float32 or None: q at node i, the distribution node i's children were
                      drawn from (sampled rows; zeros where a node has no sampled children)
-    ``max_depth`` is a host int: the deepest node any tree can have (num_steps).
+    ``max_depth`` and ``max_children`` are host ints: the deepest node and the most children of one
+    node any tree of the batch can have (they bound the verify walk's loops).
     """
 
     tokens: Tensor
@@ -93,6 +94,7 @@ class DraftTree:
     tree_mask: Tensor
     max_depth: int
     draft_probs: Tensor | None = None
+    max_children: int | None = None
 
 
 @dataclass
@@ -101,6 +103,7 @@ class DraftSampling:
 
     Shape: sampled [B] bool; temperature [B] float32 (> 0 on sampled rows); top_k [B] int64 or None;
     top_p [B] float32 or None. ``generator``: None, a Generator, or one Generator per row.
+    ``all_sampled``: a host fact, True when every row samples (the greedy top-k is then skipped).
     """
 
     sampled: Tensor
@@ -108,6 +111,7 @@ class DraftSampling:
     top_k: Tensor | None
     top_p: Tensor | None
     generator: torch.Generator | Sequence[torch.Generator] | None
+    all_sampled: bool = False
 
 
 def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
@@ -161,6 +165,7 @@ class _Pool:
         self.kept: list[Tensor] = []       # each [B, n] bool: chosen for a sampled row's tree
         self.depth: list[int] = []
         self.size = 0
+        self.widest = 0                    # the most children any node may keep (host int)
         self.anc = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
 
     def add(self, scores, tokens, parents, kept, depth: int) -> int:
@@ -186,21 +191,19 @@ class _Pool:
 
 
 def _greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of log_softmax in float32; NaN-safe because the logits are sanitized first.
-
-    Shape: logits [..., Vd] -> (log-probs [..., k], draft ids [..., k]).
-    """
-    # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
-    logits = sanitize_nan_logits(logits.float(), warn=False)
+    """Top-k of log_softmax in float32 of sanitized logits. Shape: [..., Vd] -> ([..., k], [..., k])."""
     return torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
 
 
 def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
-    """q: the drafter's distribution at each row's temperature/top-k/top-p. [B, F, Vd] -> [B, F, Vd]."""
+    """q: the drafter's distribution at each row's temperature/top-k/top-p. [B, F, Vd] -> [B, F, Vd].
+
+    ``logits`` are already sanitized float32, so the samplers make no NaN pass of their own.
+    """
     B, F, Vd = logits.shape
     rep = lambda t: None if t is None else t.repeat_interleave(F)
     q = logits_to_probs(logits.reshape(B * F, Vd), temperature=rep(sampling.temperature),
-                        top_k=rep(sampling.top_k), top_p=rep(sampling.top_p), nan_policy="sanitize")
+                        top_k=rep(sampling.top_k), top_p=rep(sampling.top_p), nan_policy="off")
     return q.view(B, F, Vd)
 
 
@@ -210,22 +213,31 @@ class _Expansion:
     Shape: logits [B, F, Vd] -> lp [B, F, k] (cumulative-score increments), ids [B, F, k] draft ids,
     q [B, F, Vd] or None, prio_step [B, F, k] (log of q's k largest values: the expected-score
     increments that decide a sampled row's kept children before they are drawn).
+    NaN: the logits are sanitized (on a float32 copy) before ranking or sampling, so a NaN draft
+    never yields a bad id.
     """
 
     def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None):
-        self.lp, self.ids = _greedy_children(logits, k)
+        # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
+        logits = sanitize_nan_logits(logits.float(), warn=False)
         self.q = None
-        self.prio_step = self.lp
-        if sampling is not None:
-            q = _draft_q(logits, sampling)
-            drawn = sample_without_replacement(q, k, sampling.generator)                # [B, F, k]
+        if sampling is None or not sampling.all_sampled:
+            self.lp, self.ids = _greedy_children(logits, k)
+            self.prio_step = self.lp
+        if sampling is None:
+            return
+        q = _draft_q(logits, sampling)
+        drawn = sample_without_replacement(q, k, sampling.generator)                    # [B, F, k]
+        q_lp = torch.log(q.gather(-1, drawn)).clamp(min=-1e30)   # a q = 0 draw stays rankable
+        prio = torch.log(torch.topk(q, k, dim=-1).values).clamp(min=-1e30)
+        if sampling.all_sampled:
+            self.lp, self.ids, self.prio_step = q_lp, drawn, prio
+        else:
             row = sampling.sampled[:, None, None]
-            q_lp = torch.log(q.gather(-1, drawn)).clamp(min=-1e30)   # a q = 0 draw stays rankable
             self.lp = torch.where(row, q_lp, self.lp)
             self.ids = torch.where(row, drawn, self.ids)
-            top_q = torch.topk(q, k, dim=-1).values
-            self.prio_step = torch.where(row, torch.log(top_q).clamp(min=-1e30), self.lp)
-            self.q = q
+            self.prio_step = torch.where(row, prio, self.lp)
+        self.q = q
 
 
 def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
@@ -258,6 +270,7 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
     pool = _Pool(B, k + (num_steps - 1) * k * k, device)
+    pool.widest = min(k, max(budget)) if budget else k   # a node keeps at most this many children
     exp = _Expansion(first_logits[:, None], k, sampling)
     kept = _keep_prefixes(exp.prio_step[:, 0], budget[0]) if budget else torch.zeros_like(exp.ids[:, 0], dtype=torch.bool)
     score = exp.lp[:, 0]
@@ -354,7 +367,9 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     draft_probs = None
     if sampling is not None:
         draft_probs = _node_probs(node_q, node_of_pool, keep + 1, drafter)
-    return DraftTree(all_tokens, all_parents, all_depth, mask, max_depth=num_steps, draft_probs=draft_probs)
+    widest = pool.widest if sampling is not None and sampling.all_sampled else len(pool.tokens[0][0])
+    return DraftTree(all_tokens, all_parents, all_depth, mask, max_depth=num_steps, draft_probs=draft_probs,
+                     max_children=widest)
 
 
 def _node_probs(node_q, node_of_pool: Tensor, n: int, drafter) -> Tensor:

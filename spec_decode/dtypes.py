@@ -24,10 +24,3 @@ def torch_dtype(name: str) -> torch.dtype:
     except (KeyError, TypeError):
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}") from None
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name of a torch dtype (``torch.bfloat16`` -> ``"bf16"``); ValueError when it has none."""
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"dtype must be one of {', '.join(str(d) for d in DTYPES.values())}, got {dtype!r}")

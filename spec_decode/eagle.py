@@ -231,13 +231,17 @@ class _DraftHead(RopeFrequencies, nn.Module):
                         device: torch.device | str | None = None):
         """Load a head checkpoint directory for ``target`` (dtype/device default to the target's).
 
-        Raises FileNotFoundError naming a missing file/directory; ValueError when hidden or vocab sizes differ
-        from the target's (naming both) or when keys are missing/unexpected/misshaped (naming them).
+        Raises FileNotFoundError naming a missing file/directory; ValueError naming the checkpoint when hidden or
+        vocab sizes differ from the target's (naming both), when a config value is bad (naming the key) or when
+        keys are missing/unexpected/misshaped (naming them).
         """
         config = ModelConfig.from_pretrained(path)
         state = cls._complete_state(_strip_prefix(load_state_dict(path)), config)
         with torch.device("meta"):
-            head = cls(config, target, **cls._init_kwargs_from_keys(set(state), config))
+            try:
+                head = cls(config, target, **cls._init_kwargs_from_keys(set(state), config))
+            except ValueError as err:  # name the checkpoint: the message names the config key
+                raise ValueError(f"{os.path.join(os.fspath(path), 'config.json')}: {err}") from None
         device = device if device is not None else target.device
         assign_state(head, state, dtype=dtype or target.dtype, device=device, source=os.fspath(path))
         set_exact_nan(head, None, dtype or target.dtype)

@@ -303,8 +303,10 @@ class KVCache:
     def write(self, layer: int, write_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Write new rows ``k``/``v`` [B, n_kv, T, D] of ``layer`` at positions ``write_pos`` [B, T]."""
         idx = write_pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
-        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
+        if k.dtype != self.k.dtype:
+            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
 
     def commit(self, num: Tensor, rel_idx: Tensor | None = None) -> None:
         """Keep ``num[b]`` rows of the last new block and advance ``lengths`` by ``num``.
@@ -419,9 +421,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        xf = x.float()
+        # the casts are skipped, not made no-ops, in float32: each op call costs ~1 us on these tiny models
+        xf = x if dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * (xf if dtype == torch.float32 else xf.to(dtype))
 
 
 def _zero_nonfinite_rows(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -517,11 +520,9 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         n_rep = nh // nkv
-        qkv = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D)
-        qk = apply_rope(qkv[:, :, :nh + nkv], li.cos, li.sin)  # (B, T, nh + nkv, D)
-        q = qk[:, :, :nh].transpose(1, 2)  # (B, nh, T, D)
-        k = qk[:, :, nh:].transpose(1, 2)  # (B, nkv, T, D)
-        v = qkv[:, :, nh + nkv:].transpose(1, 2)  # (B, nkv, T, D)
+        qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
+        q, k = apply_rope(qk, li.cos, li.sin).split((nh, nkv), dim=2)  # rope on q and k in one pass
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, D)
         cache.write(layer, li.write_pos, k, v)
         mask = li.mask  # (B, 1, n_rep*T, S)
         S = mask.shape[-1]
@@ -530,7 +531,9 @@ class Attention(nn.Module):
         q = q.reshape(B, nkv, n_rep * T, D)
         if self.exact_nan:
             keys, values, finite = _zero_nonfinite_rows(keys, values)
-        out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=li.bias)
+        if keys.dtype != q.dtype:  # a cache in another dtype than the model
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=li.bias)
         if self.exact_nan:
             # A query that can see a non-finite key/value row is NaN in exact arithmetic; one that
             # masks it is not (SDPA alone would leak it: masked weight 0 * NaN = NaN).

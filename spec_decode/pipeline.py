@@ -129,6 +129,7 @@ class _Batch:
     draft_len: list[int]
     catch_len: list[int]
     generators: list[torch.Generator] | None
+    all_sampled: bool = False   # host fact: every request has temperature > 0 (stays true as rows leave)
 
     def keep(self, rows: list[int]) -> "_Batch":
         idx = torch.tensor(rows, dtype=torch.long, device=self.root.device)
@@ -140,7 +141,7 @@ class _Batch:
             root=pick(self.root), catch_tokens=pick(self.catch_tokens), catch_hidden=pick(self.catch_hidden),
             catch_lens=pick(self.catch_lens), sampling=self.sampling.select(idx),
             target_len=host(self.target_len), draft_len=host(self.draft_len), catch_len=host(self.catch_len),
-            generators=host(self.generators))
+            generators=host(self.generators), all_sampled=self.all_sampled)
 
     def generator(self):
         """What the samplers take: one generator per row, or None (torch's default generator)."""
@@ -310,7 +311,7 @@ class SpecDecoder:
         logits = out.logits.gather(1, last.expand(B, 1, out.logits.shape[-1]))[:, 0]   # [B, V]
         sampling = req.sampling(device)
         batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host,
-                       [0] * B, [0] * B, generators)
+                       [0] * B, [0] * B, generators, all_sampled=req.all_sampled())
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
         token = sample(logits, generator=batch.generator(), nan_policy="off", **sampling.kwargs())
@@ -376,7 +377,7 @@ class SpecDecoder:
             plan.apply(out.logits, step, "target_logits", batch.active)
             counts = self._nan_pass(out.logits.view(B * N, -1), N)
             res = tree_verify(tree.tokens, tree.parents, out.logits, generator=batch.generator(), nan_policy="off",
-                              max_depth=tree.max_depth, max_children=self.topk, draft_probs=tree.draft_probs,
+                              max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
                               sibling_sampling="without_replacement", **batch.sampling.kwargs())
             host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
         with self.phase_timer("bookkeeping"):
@@ -399,11 +400,10 @@ class SpecDecoder:
         if self.draft_sampling == "greedy" or (self.draft_sampling == "auto" and batch.sampling.all_greedy):
             return None
         s = batch.sampling
-        sampled = s.temperature > 0
-        if self.draft_sampling == "sampled":
-            sampled = torch.ones_like(sampled)
+        everyone = self.draft_sampling == "sampled" or batch.all_sampled
+        sampled = torch.ones_like(s.temperature, dtype=torch.bool) if everyone else s.temperature > 0
         temperature = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
-        return DraftSampling(sampled, temperature, s.top_k, s.top_p, batch.generator())
+        return DraftSampling(sampled, temperature, s.top_k, s.top_p, batch.generator(), all_sampled=everyone)
 
     def _catch_up(self, batch):
         """Feed the queued emitted tokens to the drafter; return its prediction after the root.
@@ -666,6 +666,11 @@ class _Requests:
         req = cls(prompts, max_new, params, _stop_ids(stop_token_ids, B), [GenerationResult(r) for r in
                                                                           _request_ids(request_ids, B)])
         return req
+
+    def all_sampled(self) -> bool:
+        """True when every request's temperature is known on the host to be > 0 (None means 1.0)."""
+        temps = _per_request("temperature", self.params["temperature"], len(self.prompts))
+        return all(t is None or (isinstance(t, (int, float)) and t > 0) for t in temps)
 
     def sampling(self, device) -> SamplingParams:
         params = SamplingParams.build(len(self.prompts), **self.params, device=device)

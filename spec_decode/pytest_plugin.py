@@ -5,24 +5,29 @@ pytest run in an environment with safespec installed loads it (or use ``-p spec_
 It imports nothing heavy at import time: torch and the pipeline load inside the fixtures that need them.
 
 Options
-    ``--spec-dtype {bf16,fp16,fp32}``: the dtype that ``spec_dtype`` and ``spec_decoder`` verify in.
-    The env var ``SAFESPEC_TEST_DTYPE`` sets it too; the command line wins; the default is bf16.
+    ``--spec-dtype {bf16,fp16,fp32}``: the dtype that ``safespec_spec_dtype`` and ``safespec_spec_decoder``
+    verify in. The env var ``SAFESPEC_TEST_DTYPE`` sets it too; the command line wins; the default is bf16.
 
-Fixtures
-    ``spec_dtype`` (torch.dtype), ``spec_dtype_name`` ("bf16" / "fp16" / "fp32");
-    ``tiny_target_path``, ``tiny_eagle_path``, ``tiny_eagle3_path``, ``tiny_draft_path`` (pathlib.Path);
-    ``tiny_prompts`` (list of dicts from ``prompts.jsonl``: id, source_file, text, token_ids);
-    ``spec_decoder``: a ``SpecDecoder`` on the tiny target + EAGLE head in ``spec_dtype``, built once per
-    session, with NaN policy ``raise`` (set ``.nan_policy`` on it, or build your own, for other policies);
-    ``nan_policy``: sets ``SAFESPEC_NAN_POLICY`` for one test (``raise`` unless the test carries
-    ``@pytest.mark.nan_policy("abort")`` etc.) and returns the ``NanPolicy``.
+Fixtures (every name starts with ``safespec_``: the plugin is loaded into every pytest run of an
+environment where safespec is installed, so a user's own ``nan_policy`` or ``spec_dtype`` fixture must
+never collide with ours; the user's fixture of the same name wins anyway, as pytest's conftest and
+module fixtures override plugin fixtures)
+    ``safespec_spec_dtype`` (torch.dtype), ``safespec_spec_dtype_name`` ("bf16" / "fp16" / "fp32");
+    ``safespec_tiny_target_path``, ``safespec_tiny_eagle_path``, ``safespec_tiny_eagle3_path``,
+    ``safespec_tiny_draft_path`` (pathlib.Path); ``safespec_fixtures_dir`` (pathlib.Path);
+    ``safespec_tiny_prompts`` (list of dicts from ``prompts.jsonl``: id, source_file, text, token_ids);
+    ``safespec_spec_decoder``: a ``SpecDecoder`` on the tiny target + EAGLE head in ``safespec_spec_dtype``,
+    built once per session, with NaN policy ``raise`` (set ``.nan_policy`` on it, or build your own, for
+    other policies);
+    ``safespec_nan_policy``: sets ``SAFESPEC_NAN_POLICY`` for one test (``raise`` unless the test carries
+    ``@pytest.mark.safespec_nan_policy("abort")`` etc.) and returns the ``NanPolicy``.
 
 The fixtures directory is ``$SAFESPEC_FIXTURES_DIR`` when set, else the first ``fixtures/`` holding
 ``models/`` found walking up from pytest's rootdir. Path fixtures skip, naming the path they looked
 for, when the files are absent (e.g. an installed wheel without the repository's fixtures).
 
 Marker
-    ``dtype_sensitive``: the test's expectation depends on ``spec_dtype``; CI reruns these with
+    ``dtype_sensitive``: the test's expectation depends on ``safespec_spec_dtype``; CI reruns these with
     ``--spec-dtype fp16`` (``pytest -m dtype_sensitive --spec-dtype fp16``).
 """
 
@@ -42,6 +47,7 @@ NAN_POLICY_ENV = "SAFESPEC_NAN_POLICY"
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_DTYPE = "bf16"
 DEFAULT_TEST_NAN_POLICY = "raise"  # inside tests no NaN may hide
+NAN_POLICY_MARKER = "safespec_nan_policy"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,8 +59,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "dtype_sensitive: expectation depends on --spec-dtype; CI reruns "
                                        "these tests with --spec-dtype fp16")
-    config.addinivalue_line("markers", "nan_policy(policy): NaN policy the nan_policy fixture sets "
-                                       f"(default {DEFAULT_TEST_NAN_POLICY})")
+    config.addinivalue_line("markers", f"{NAN_POLICY_MARKER}(policy): NaN policy the safespec_nan_policy "
+                                       f"fixture sets (default {DEFAULT_TEST_NAN_POLICY})")
     resolve_dtype_name(config)  # a bad env value fails at startup, not inside the first fixture
 
 
@@ -87,15 +93,15 @@ def _torch_dtype(name: str):
 
 
 @pytest.fixture(scope="session")
-def spec_dtype_name(pytestconfig: pytest.Config) -> str:
+def safespec_spec_dtype_name(pytestconfig: pytest.Config) -> str:
     """"bf16", "fp16" or "fp32" (``--spec-dtype`` > ``$SAFESPEC_TEST_DTYPE`` > bf16)."""
     return resolve_dtype_name(pytestconfig)
 
 
 @pytest.fixture(scope="session")
-def spec_dtype(spec_dtype_name: str):
+def safespec_spec_dtype(safespec_spec_dtype_name: str):
     """The verification dtype as a torch.dtype."""
-    return _torch_dtype(spec_dtype_name)
+    return _torch_dtype(safespec_spec_dtype_name)
 
 
 @pytest.fixture(scope="session")
@@ -117,57 +123,58 @@ def _require(path: Path, what: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_target_path(safespec_fixtures_dir: Path) -> Path:
+def safespec_tiny_target_path(safespec_fixtures_dir: Path) -> Path:
     """The trained tiny target (HF layout, bf16 weights, tokenizer included)."""
     return _require(safespec_fixtures_dir / TARGET_SUBDIR / "config.json", "tiny target").parent
 
 
 @pytest.fixture(scope="session")
-def tiny_eagle_path(safespec_fixtures_dir: Path) -> Path:
+def safespec_tiny_eagle_path(safespec_fixtures_dir: Path) -> Path:
     """The trained EAGLE-1/2 head for the tiny target."""
     return _require(safespec_fixtures_dir / EAGLE_SUBDIR / "config.json", "tiny EAGLE head").parent
 
 
 @pytest.fixture(scope="session")
-def tiny_eagle3_path(safespec_fixtures_dir: Path) -> Path:
+def safespec_tiny_eagle3_path(safespec_fixtures_dir: Path) -> Path:
     """The trained EAGLE-3 head for the tiny target."""
     return _require(safespec_fixtures_dir / EAGLE3_SUBDIR / "config.json", "tiny EAGLE-3 head").parent
 
 
 @pytest.fixture(scope="session")
-def tiny_draft_path(safespec_fixtures_dir: Path) -> Path:
+def safespec_tiny_draft_path(safespec_fixtures_dir: Path) -> Path:
     """The trained 2-layer draft LM (same tokenizer as the target)."""
     return _require(safespec_fixtures_dir / DRAFT_SUBDIR / "config.json", "tiny draft LM").parent
 
 
 @pytest.fixture(scope="session")
-def tiny_prompts(safespec_fixtures_dir: Path) -> list[dict]:
+def safespec_tiny_prompts(safespec_fixtures_dir: Path) -> list[dict]:
     """Held-out prompts: dicts with id, source_file, start_line, text, token_ids."""
     path = _require(safespec_fixtures_dir / PROMPTS_FILE, "held-out prompts")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")
-def spec_decoder(tiny_target_path: Path, tiny_eagle_path: Path, spec_dtype):
-    """SpecDecoder(tiny target + EAGLE head) in ``spec_dtype``, NaN policy raise; one per session.
+def safespec_spec_decoder(safespec_tiny_target_path: Path, safespec_tiny_eagle_path: Path, safespec_spec_dtype):
+    """SpecDecoder(tiny target + EAGLE head) in ``safespec_spec_dtype``, NaN policy raise; one per session.
 
     Shared: tests must not leave attributes changed (restore ``.nan_policy`` if they set it).
     """
     from spec_decode import SpecDecoder  # imported on use (heavy)
 
-    return SpecDecoder.from_pretrained(tiny_target_path, tiny_eagle_path, method="eagle", dtype=spec_dtype,
-                                       nan_policy=DEFAULT_TEST_NAN_POLICY)
+    return SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle_path, method="eagle",
+                                       dtype=safespec_spec_dtype, nan_policy=DEFAULT_TEST_NAN_POLICY)
 
 
 @pytest.fixture
-def nan_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+def safespec_nan_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """Set ``SAFESPEC_NAN_POLICY`` for this test and return the resolved ``NanPolicy``.
 
-    ``raise`` by default; ``@pytest.mark.nan_policy("abort")`` (or sanitize/off) chooses another.
+    ``raise`` by default; ``@pytest.mark.safespec_nan_policy("abort")`` (or guard/sanitize/off) chooses
+    another.
     """
     from numerics import NanPolicy  # imported on use
 
-    marker = request.node.get_closest_marker("nan_policy")
+    marker = request.node.get_closest_marker(NAN_POLICY_MARKER)
     value = marker.args[0] if marker is not None and marker.args else DEFAULT_TEST_NAN_POLICY
     policy = NanPolicy.resolve(value)  # ValueError naming a bad marker value
     monkeypatch.setenv(NAN_POLICY_ENV, policy.value)

@@ -212,18 +212,22 @@ def abort_message(policy: NanPolicy, rid: str, site: str, num_nans: int, dead_ro
     )
 
 
-def mark_aborted(req, message: str) -> None:
+def mark_aborted(req, message: str, withheld: int = 0) -> None:
     """Finish ``req`` with ``FINISH_ABORT`` at its finish check and bar its KV from the radix cache.
 
     SGLang's own "abort a running request" path: ``to_finish`` is consumed by
     ``Req.update_finish_state``; ``skip_radix_cache_insert`` makes ``release_kv_cache``
-    free the KV without inserting it into the tree.
+    free the KV without inserting it into the tree. ``withheld``: how many tokens at the
+    end of ``req.output_ids`` came from the corrupted step; ``finished_len`` ends the
+    output before them, so no stream chunk carries them.
     """
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     req.skip_radix_cache_insert = True
     if not req.finished():
         req.to_finish = FINISH_ABORT(message, ABORT_STATUS, ABORT_ERR_TYPE)
+        if withheld and req.finished_len is None:
+            req.finished_len = max(len(req.output_ids) - withheld, 0)
 
 
 def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str):
@@ -421,7 +425,9 @@ def make_hooks(state: PluginState) -> dict:
                 current.aborts.update(decide_aborts(state, host))
         message = current.aborts.get(req.rid)
         if message is not None and req.to_finish is None:
-            mark_aborted(req, message)
+            # update_finish_state(new_accepted_len=1): this step's tokens are already appended.
+            new_accepted_len = args[0] if args else kwargs.get("new_accepted_len", 1)
+            mark_aborted(req, message, withheld=new_accepted_len)
         return None
 
     def announce_hook(result, server_args, *args, **kwargs):

@@ -96,9 +96,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     device = resolve_device(args.device)
     dtypes = args.dtype or (default_dtype_name(device.type),)
     return BenchConfig(
-        **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        temperatures=tuple(args.temperatures), dtypes=tuple(dtypes), batch_size=args.batch_size, seed=args.seed,
-        threads=args.threads, device=str(device), nan_rounds=args.nan_rounds, progress=not args.no_progress)
+        **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), dtypes=tuple(dtypes),
+        batch_size=args.batch_size, seed=args.seed, threads=args.threads, device=str(device),
+        nan_rounds=args.nan_rounds, progress=not args.no_progress)
 
 
 @contextlib.contextmanager

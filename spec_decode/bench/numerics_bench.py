@@ -2,10 +2,16 @@
 
 Inputs are verify-shaped logits ``[B * (k + 1), V]`` (``k + 1 = 8`` rows per request: the
 EAGLE-2 default of 8 tree nodes), NaN-free, the common case whose cost safety must keep low.
+``--nan-every k`` puts a NaN in every k-th row instead and times the counts alone
+(``ours_*_counts`` against ``nan_only_counts``): the cost when rows are corrupted.
 Implementations, each timed on the same tensor:
 
-* ``ours_torch`` / ``ours_triton``: ``numerics.nan_counts_per_request(..., sanitize=True)``
-  (per-request NaN counts and the in-place sanitize; Triton only on CUDA);
+* ``ours_torch`` / ``ours_triton``: ``numerics.nonfinite_counts_per_request(..., sanitize=True)``
+  (per-request NaN, Inf and dead-row counts and the in-place sanitize; Triton only on CUDA).
+  ``nan_counts_per_request`` is the same pass;
+* ``nan_only_torch``: the torch pass before issue 11 (per-row ``isnan`` count, per-request
+  ``index_add_``, sanitize), kept as the yardstick of what the extra counts cost:
+  ``vs_nan_only`` = impl time / ``nan_only_torch`` time (issue 11 asks < 1.10 for ``ours_torch``);
 * ``sglang_style``: an ``isnan().any()`` flag plus ``nan_to_num_``. SGLang's sampler branches on
   that flag in Python (``if torch.any(torch.isnan(logits))``), a host sync per step; here the flag
   stays on device so that the comparison measures memory traffic alone;
@@ -52,11 +58,23 @@ def vllm_style(x: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Ten
     return torch.zeros(num_reqs, dtype=torch.int32, device=x.device).index_add_(0, owner, row)
 
 
+def nan_only_torch(x: torch.Tensor, owner: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """The torch pass before issue 11: per-request NaN counts (``vllm_style``) + in-place sanitize.
+
+    Shape: x [R, V], owner [R]; returns int32 [num_reqs] on device.
+    """
+    from numerics import sanitize_nan_logits
+
+    counts = vllm_style(x, owner, num_reqs)
+    sanitize_nan_logits(x, warn=False)
+    return counts
+
+
 def _ours(backend: str):
-    from numerics import nan_counts_per_request
+    from numerics import nonfinite_counts_per_request
 
     def run(x, cu):
-        return nan_counts_per_request(x, cu, sanitize=True, backend=backend)
+        return nonfinite_counts_per_request(x, cu, sanitize=True, backend=backend)
     return run
 
 
@@ -89,20 +107,45 @@ def assert_no_host_sync(fn) -> None:
     torch.cuda.synchronize()
 
 
-def bench_case(device: torch.device, dtype_name: str, rows: int, vocab: int, min_run_time: float) -> list[dict]:
-    """All implementations on one clean ``[rows, vocab]`` tensor. Returns one record per implementation."""
+def _corrupted_impls(x, cu, owner, num_reqs) -> dict:
+    """Counts only (no sanitize, which would repair ``x`` after the first call): ours and the NaN-only count."""
+    from numerics import nonfinite_counts_per_request
+
+    impls = {"ours_torch_counts": lambda: nonfinite_counts_per_request(x, cu, backend="torch")}
+    if x.device.type == "cuda":
+        impls["ours_triton_counts"] = lambda: nonfinite_counts_per_request(x, cu, backend="triton")
+    impls["nan_only_counts"] = lambda: vllm_style(x, owner, num_reqs)
+    return impls
+
+
+def bench_case(device: torch.device, dtype_name: str, rows: int, vocab: int, min_run_time: float,
+               nan_every: int = 0) -> list[dict]:
+    """All implementations on one ``[rows, vocab]`` tensor. Returns one record per implementation.
+
+    ``nan_every`` = 0: clean logits, every implementation. ``nan_every`` = k: a NaN in every k-th row
+    (column 5), counts only (``*_counts`` impls; ``vs_nan_only`` relative to ``nan_only_counts``).
+    """
     dtype = DTYPES[dtype_name]
     g = torch.Generator(device="cpu").manual_seed(rows * 7 + vocab)
     x = torch.randn(rows, vocab, generator=g).to(device=device, dtype=dtype)
+    if nan_every:
+        x[::nan_every, min(5, vocab - 1)] = float("nan")
     dst = torch.empty_like(x)
     cu = torch.arange(0, rows + 1, ROWS_PER_REQUEST, device=device, dtype=torch.int32)
     num_reqs = cu.numel() - 1
     owner = torch.arange(rows, device=device) // ROWS_PER_REQUEST
-    impls = {"copy": lambda: dst.copy_(x), "ours_torch": lambda: _ours("torch")(x, cu)}
-    if device.type == "cuda":
-        impls["ours_triton"] = lambda: _ours("triton")(x, cu)
-    impls["sglang_style"] = lambda: sglang_style(x, owner, num_reqs)
-    impls["vllm_style"] = lambda: vllm_style(x, owner, num_reqs)
+    impls = {"copy": lambda: dst.copy_(x)}
+    if nan_every:
+        impls.update(_corrupted_impls(x, cu, owner, num_reqs))
+        yardstick = "nan_only_counts"
+    else:
+        impls["ours_torch"] = lambda: _ours("torch")(x, cu)
+        if device.type == "cuda":
+            impls["ours_triton"] = lambda: _ours("triton")(x, cu)
+        impls["nan_only_torch"] = lambda: nan_only_torch(x, owner, num_reqs)
+        impls["sglang_style"] = lambda: sglang_style(x, owner, num_reqs)
+        impls["vllm_style"] = lambda: vllm_style(x, owner, num_reqs)
+        yardstick = "nan_only_torch"
 
     nbytes = x.numel() * x.element_size()
     times = {name: _median_s(fn, min_run_time) for name, fn in impls.items()}
@@ -110,7 +153,8 @@ def bench_case(device: torch.device, dtype_name: str, rows: int, vocab: int, min
     for name, fn in impls.items():
         rec = {"device": device.type, "dtype": dtype_name, "rows": rows, "requests": num_reqs, "vocab": vocab,
                "impl": name, "median_ms": times[name] * 1e3, "gb_s": nbytes / times[name] / 1e9,
-               "fraction_of_copy": times["copy"] / times[name]}
+               "fraction_of_copy": times["copy"] / times[name],
+               "nan_every": nan_every, "vs_nan_only": times[name] / times[yardstick]}
         if device.type == "cuda":
             if name.startswith("ours"):
                 assert_no_host_sync(fn)
@@ -133,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="all", help="all (CPU, plus CUDA when present), cpu or cuda")
     p.add_argument("--min-run-time", type=float, default=0.2, help="seconds of timing per implementation")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--nan-every", type=int, default=0,
+                   help="0 (default): clean logits. k >= 1: a NaN in every k-th row, counts-only impls")
     return p
 
 
@@ -146,14 +192,15 @@ def _int_list(text: str, option: str, parser) -> tuple[int, ...]:
     return vals
 
 
-def run_numerics(devices, dtypes, rows_list, vocabs, min_run_time: float, progress: bool = True) -> list[dict]:
+def run_numerics(devices, dtypes, rows_list, vocabs, min_run_time: float, progress: bool = True,
+                 nan_every: int = 0) -> list[dict]:
     """Every (device, dtype, rows, vocab) case; returns the flat list of records."""
     from tqdm.auto import tqdm
 
     cases = [(d, t, r, v) for d in devices for t in dtypes for r in rows_list for v in vocabs]
     records = []
     for d, t, r, v in tqdm(cases, desc="spec-bench numerics", disable=not progress):
-        records += bench_case(d, t, r, v, min_run_time)
+        records += bench_case(d, t, r, v, min_run_time, nan_every)
     return records
 
 
@@ -178,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda: CUDA is not available")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.nan_every < 0:
+        parser.error(f"--nan-every must be >= 0, got {args.nan_every}")
     devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
     if args.device in ("all", "cuda") and torch.cuda.is_available():
         devices.append(torch.device("cuda"))
@@ -186,15 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:
-        records = run_numerics(devices, dtypes, rows_list, vocabs, args.min_run_time)
+        records = run_numerics(devices, dtypes, rows_list, vocabs, args.min_run_time, nan_every=args.nan_every)
         machine = machine_info(devices[-1])
     finally:
         torch.set_num_threads(threads)
     out = {"machine": machine,
            "config": {"rows": list(rows_list), "vocabs": list(vocabs), "dtypes": list(dtypes),
                       "devices": [d.type for d in devices], "rows_per_request": ROWS_PER_REQUEST,
-                      "min_run_time_s": args.min_run_time, "threads": args.threads,
-                      "bytes": "numel * itemsize (one read)", "fraction_of_copy": "copy time / impl time"},
+                      "min_run_time_s": args.min_run_time, "threads": args.threads, "nan_every": args.nan_every,
+                      "bytes": "numel * itemsize (one read)", "fraction_of_copy": "copy time / impl time",
+                      "vs_nan_only": "impl time / nan_only_torch time"},
            "results": records}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "numerics.json", "w") as f:
@@ -206,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown_table(records: list[dict]) -> str:
     cuda = any(r["device"] == "cuda" for r in records)
-    cols = ["device", "dtype", "rows x V", "impl", "ms", "GB/s", "x copy BW"] + (["syncs"] if cuda else [])
+    cols = ["device", "dtype", "rows x V", "impl", "ms", "GB/s", "x copy BW", "x nan_only"] + (["syncs"] if cuda else [])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
         row = [r["device"], r["dtype"], f"{r['rows']} x {r['vocab']}", r["impl"], f"{r['median_ms']:.3f}",
-               f"{r['gb_s']:.1f}", f"{r['fraction_of_copy']:.2f}"]
+               f"{r['gb_s']:.1f}", f"{r['fraction_of_copy']:.2f}", f"{r['vs_nan_only']:.2f}"]
         if cuda:
             row.append(str(r.get("host_syncs", "-")))
         lines.append("| " + " | ".join(row) + " |")

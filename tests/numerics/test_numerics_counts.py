@@ -5,9 +5,12 @@ On CPU-only machines the kernel runs under TRITON_INTERPRET=1 (set in conftest).
 Big vocabularies get few rows: the interpreter is slow.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
+from numerics import counts as counts_module
 from numerics import NonfiniteCounts, dead_row_mask, nan_counts_per_request, nonfinite_counts_per_request
 from numerics import _triton_counts
 from numerics.counts import _nan_counts_reference, _nonfinite_counts_reference, _pick_backend
@@ -66,16 +69,21 @@ def _run_both(base, vocab, layout, cu, sanitize):
 
 
 def _run_both_all(base, vocab, layout, cu, sanitize):
-    base_k, base_r = base.clone(), base.clone()
+    """The kernel against the torch reference, and on CPU against its every-row path too
+    (the CPU reference counts only rows whose sum is not finite)."""
+    base_k, base_r, base_e = base.clone(), base.clone(), base.clone()
     counts_k = nonfinite_counts_per_request(_view(base_k, vocab, layout), cu, sanitize=sanitize, backend="triton")
     counts_r = nonfinite_counts_per_request(_view(base_r, vocab, layout), cu, sanitize=sanitize, backend="torch")
+    with mock.patch.object(counts_module, "_CPU_ROW_SUM_FILTER", False):
+        counts_e = nonfinite_counts_per_request(_view(base_e, vocab, layout), cu, sanitize=sanitize, backend="torch")
     assert isinstance(counts_k, NonfiniteCounts) and isinstance(counts_r, NonfiniteCounts)
-    for field, k, r in zip(NonfiniteCounts._fields, counts_k, counts_r):
+    for field, k, r, e in zip(NonfiniteCounts._fields, counts_k, counts_r, counts_e):
         assert k.dtype == r.dtype == torch.int32, field
         assert k.device == base.device, field
         assert k.shape == (cu.shape[0] - 1,), field
-        assert k.tolist() == r.tolist(), field
+        assert k.tolist() == r.tolist() == e.tolist(), field
     assert_same_bits(base_k, base_r)  # the whole base: nothing outside the view is touched
+    assert_same_bits(base_k, base_e)
     return counts_k, base_k
 
 
@@ -316,3 +324,13 @@ def test_dead_row_mask():
         dead_row_mask(torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="x"):
         dead_row_mask(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_expanded_view_counts_and_sanitize(backend):
+    """A stride-0 view: every backend counts the view's entries and sanitizes the shared memory."""
+    base = torch.tensor([NAN, INF, 1.0, -INF], device=DEVICE)
+    x = base.expand(5, 4)
+    counts = nonfinite_counts_per_request(x, torch.tensor([0, 2, 5], device=DEVICE), sanitize=True, backend=backend)
+    assert [c.tolist() for c in counts] == [[2, 3], [4, 6], [0, 0]]
+    assert torch.isfinite(base).all() and base[2].item() == 1.0

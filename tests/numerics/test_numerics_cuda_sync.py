@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from numerics import AsyncNanWarner, get_nan_warner, nan_counts_per_request, sanitize_nan_logits
+from numerics import (AsyncNanWarner, get_nan_warner, nan_counts_per_request, nonfinite_counts_per_request,
+                      sanitize_nan_logits)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -31,6 +32,7 @@ def test_hot_paths_do_not_sync(dtype):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        three = nonfinite_counts_per_request(x.clone(), cu, backend="triton")
         counts = nan_counts_per_request(x, cu, sanitize=True, backend="triton")
         sanitize_nan_logits(x, "sync_test")
         for step in range(8):
@@ -39,6 +41,7 @@ def test_hot_paths_do_not_sync(dtype):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert counts.tolist() == [1, 0, 0]
+    assert [c.tolist() for c in three] == [[1, 0, 0], [0, 0, 32000], [0, 0, 1]]  # row 4 (all Inf) is dead
     assert torch.isfinite(x).all()
     assert warner.flush() is True
 
@@ -49,9 +52,12 @@ def test_cuda_kernel_matches_reference_on_strided_rows(dtype):
     base[::3, ::97] = NAN
     base[1, :] = float("inf")
     cu = torch.tensor([0, 1, 1, 3], device="cuda")
+    base[2, 5:] = NAN  # alive: its first 5 entries are finite (view row 1)
+    base[4, :] = NAN  # dead (view row 2)
     a, b = base.clone(), base.clone()
-    ca = nan_counts_per_request(a[::2, :32000], cu, sanitize=True, backend="triton")
-    cb = nan_counts_per_request(b[::2, :32000], cu, sanitize=True, backend="torch")
-    assert ca.tolist() == cb.tolist()
+    ca = nonfinite_counts_per_request(a[::2, :32000], cu, sanitize=True, backend="triton")
+    cb = nonfinite_counts_per_request(b[::2, :32000], cu, sanitize=True, backend="torch")
+    assert [c.tolist() for c in ca] == [c.tolist() for c in cb]
+    assert cb.dead_rows.tolist() == [0, 0, 1]
     bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
     assert torch.equal(a.view(bits), b.view(bits))

@@ -76,6 +76,29 @@ def test_sanitize_strided_view_touches_only_the_view(dtype):
     assert torch.isnan(base[untouched]).all()
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_sanitize_expanded_view_sanitizes_each_shared_element(dtype):
+    """Issue 10: an expanded (stride-0) view used to hit torch's internal-overlap error."""
+    base = torch.tensor([NAN, 1.0, INF, -INF], dtype=dtype)
+    c = sanitize_bound(dtype)
+    view = base.expand(3, 4)  # stride (0, 1)
+    assert sanitize_nan_logits(view, warn=False) is view
+    assert view.tolist() == [[-c, 1.0, c, -c]] * 3
+    assert base.tolist() == [-c, 1.0, c, -c]  # in place, through the shared memory
+    col = torch.tensor([[NAN], [2.0]], dtype=dtype).expand(2, 5)[:, 1:]  # stride (1, 0), offset view
+    sanitize_nan_logits(col, warn=False)
+    assert col.tolist() == [[-c] * 4, [2.0] * 4]
+
+
+def test_counts_sanitize_an_expanded_view():
+    from numerics import nonfinite_counts_per_request
+
+    x = torch.tensor([NAN, INF, 1.0]).expand(4, 3)
+    counts = nonfinite_counts_per_request(x, torch.tensor([0, 2, 4]), sanitize=True, backend="torch")
+    assert counts.nan.tolist() == [2, 2] and counts.inf.tolist() == [2, 2]  # entries of the view
+    assert torch.isfinite(x).all()
+
+
 def test_sanitize_rejects_non_float():
     with pytest.raises(ValueError, match="logits"):
         sanitize_nan_logits(torch.zeros(3, dtype=torch.int64))

@@ -8,7 +8,7 @@ import torch
 from numerics import AsyncNanWarner, get_nan_warner, maybe_warn_nan, reset_nan_warner, sanitize_nan_logits
 from numerics import warner as warner_module
 
-NAN = float("nan")
+NAN, INF = float("nan"), float("inf")
 
 
 def _records(caplog):
@@ -31,6 +31,26 @@ def test_cpu_warns_exactly_once_and_names_the_site(nan_log):
 def test_non_float_tensors_are_ignored(nan_log):
     w = AsyncNanWarner()
     w.check(torch.tensor([1, 2, 3]), "ints")
+    assert not w.flush() and _records(nan_log) == []
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, NAN], 3.0])
+def test_check_rejects_non_tensors_naming_tensor(bad):
+    """Issue 10: check(None) used to raise AttributeError."""
+    w = AsyncNanWarner()
+    with pytest.raises(ValueError, match="tensor"):
+        w.check(bad, "site")
+    w.check(torch.tensor([NAN]), "site")
+    with pytest.raises(ValueError, match="tensor"):  # also once warned
+        w.check(bad, "site")
+    with pytest.raises(ValueError, match="tensor"):
+        maybe_warn_nan(bad, "site")
+
+
+def test_inf_does_not_warn(nan_log):
+    """One vocabulary: only NaN is reported; Inf is sanitized silently."""
+    w = AsyncNanWarner()
+    w.check(torch.tensor([INF, -INF, 1.0]), "site")
     assert not w.flush() and _records(nan_log) == []
 
 

@@ -169,18 +169,29 @@ def test_numerics_subcommand_writes_records(tmp_path, capsys):
     assert rc == 0
     data = json.loads((tmp_path / "numerics.json").read_text())
     recs = data["results"]
-    assert {r["impl"] for r in recs} == {"copy", "ours_torch", "sglang_style", "vllm_style"}
-    assert len(recs) == 2 * 2 * 1 * 4
+    assert {r["impl"] for r in recs} == {"copy", "ours_torch", "nan_only_torch", "sglang_style", "vllm_style"}
+    assert len(recs) == 2 * 2 * 1 * 5
     for rec in recs:
         assert rec["median_ms"] > 0 and rec["gb_s"] > 0 and rec["fraction_of_copy"] > 0
         assert rec["requests"] == rec["rows"] // 8
+        assert rec["vs_nan_only"] > 0 and (rec["impl"] != "nan_only_torch" or rec["vs_nan_only"] == 1.0)
     assert "ours_torch" in capsys.readouterr().out
+
+
+def test_numerics_nan_every_times_the_counts_on_corrupted_rows(tmp_path):
+    rc = main(["numerics", "--rows", "16", "--vocabs", "99", "--dtypes", "fp32", "--min-run-time", "0.01",
+               "--device", "cpu", "--nan-every", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    recs = json.loads((tmp_path / "numerics.json").read_text())["results"]
+    assert {r["impl"] for r in recs} == {"copy", "ours_torch_counts", "nan_only_counts"}
+    assert all(r["nan_every"] == 3 for r in recs)
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--rows", "12"], "multiple of 8"),
     (["--dtypes", "fp16x"], "--dtypes"),
     (["--vocabs", "a"], "--vocabs"),
+    (["--nan-every", "-1"], "--nan-every"),
 ])
 def test_numerics_bad_arguments(tmp_path, capsys, args, needle):
     with pytest.raises(SystemExit) as exc:

@@ -45,6 +45,11 @@ def _features(target, ids, aux_layers=()):
         return target(ids, target.new_cache(ids.shape[0], ids.shape[1]), aux_layers=aux_layers)
 
 
+def _linear(state, name, x):
+    b = state.get(f"{name}.bias")
+    return x @ state[f"{name}.weight"].T + (0 if b is None else b)
+
+
 def _stored_keys(path):
     from safetensors import safe_open
 
@@ -194,18 +199,19 @@ def test_default_aux_layers_follow_sglang(target, tmp_path):
 
 # ------------------------------------------------------------------------------------------ forward math
 def _ref_attention(attn, x, positions, inv_freq):
-    """Causal attention with explicit matmuls, no cache. x [1, T, in_dim]."""
+    """Causal attention with explicit matmuls from the published q/k/v/o weights, no cache. x [1, T, in_dim]."""
     T = x.shape[1]
     nh, nkv, D = attn.n_heads, attn.n_kv, attn.head_dim
-    q = attn.q_proj(x).view(1, T, nh, D).transpose(1, 2)
-    k = attn.k_proj(x).view(1, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
-    v = attn.v_proj(x).view(1, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    sd = attn.state_dict()
+    q = _linear(sd, "q_proj", x).view(1, T, nh, D).transpose(1, 2)
+    k = _linear(sd, "k_proj", x).view(1, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
+    v = _linear(sd, "v_proj", x).view(1, T, nkv, D).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
     cos, sin = rope_cos_sin(inv_freq, positions[None], x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scores = q @ k.transpose(-1, -2) / D**0.5
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(1, T, nh * D)
-    return attn.o_proj(out)
+    return _linear(sd, "o_proj", out)
 
 
 def _rms(x, w, eps=1e-6):
@@ -213,7 +219,8 @@ def _rms(x, w, eps=1e-6):
 
 
 def _mlp(m, x):
-    return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+    sd = m.state_dict()
+    return _linear(sd, "down_proj", F.silu(_linear(sd, "gate_proj", x)) * _linear(sd, "up_proj", x))
 
 
 @torch.no_grad()
@@ -289,7 +296,10 @@ def _drafters(target, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 def test_drafters_implement_the_protocol(target, tmp_path, kind):
     """The members drafting.Drafter needs, with their shapes, on all three drafter classes."""
+    from spec_decode.drafting import Drafter
+
     d = _drafters(target, tmp_path)[kind]
+    assert isinstance(d, Drafter)
     B, T, H, V = 2, 5, 32, 97
     Vd = 40 if kind == "eagle3" else V
     assert isinstance(d.aux_layers, tuple) and all(isinstance(i, int) for i in d.aux_layers)
@@ -340,11 +350,6 @@ def _saved_head(cls, target, path, *, bias):
     _randomize_(head, seed=5)
     head.save_pretrained(path)
     return head
-
-
-def _linear(state, name, x):
-    b = state.get(f"{name}.bias")
-    return x @ state[f"{name}.weight"].T + (0 if b is None else b)
 
 
 def _ref_rms(x, w, eps):
@@ -421,7 +426,8 @@ def test_eagle3_forms_load_and_draft_like_the_reference(target, tmp_path, form):
     assert state["fc.weight"].shape == (H, 3 * Ht) and saved["hidden_size"] == H
     assert saved.get("target_hidden_size", H) == Ht
     assert ("embed_tokens.weight" in state) is (H != Ht)
-    assert set(state) == EAGLE3_KEYS | ({"fc.bias"} if bias else set()) | ({"embed_tokens.weight"} if H != Ht else set())
+    optional = ({"fc.bias"} if bias else set()) | ({"embed_tokens.weight"} if H != Ht else set())
+    assert set(state) == EAGLE3_KEYS | optional
 
     loaded = load_drafter(tmp_path, target, method="eagle3")
     assert type(loaded) is Eagle3Head and loaded.aux_layers == tuple(sorted(ids_cfg))
@@ -576,3 +582,41 @@ def test_load_drafter_rejects_unknown_methods(target, tmp_path, method):
     make_tiny_eagle(target, tmp_path)
     with pytest.raises(ValueError, match="method must be one of"):
         load_drafter(tmp_path, target, method=method)
+
+
+def test_head_config_errors_name_the_checkpoint(target, tmp_path):
+    make_tiny_eagle3(target, tmp_path, aux_layers=(0, 1, 3))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [5, 5, 8]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json: eagle_config.eagle_aux_hidden_state_layer_ids") as err:
+        load_drafter(tmp_path, target)
+    assert str(tmp_path) in str(err.value)
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 3]
+    cfg["bias"] = "no"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config key 'bias' .* must be true or false"):
+        load_drafter(tmp_path, target)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["unsorted_aux_ids", "all_three"])
+@pytest.mark.parametrize("shape", [dict(num_steps=3, topk=1, num_draft_tokens=4),
+                                   dict(num_steps=3, topk=2, num_draft_tokens=5)], ids=["chain", "tree"])
+def test_eagle3_forms_draft_losslessly_in_the_pipeline(target, tmp_path, form, shape):
+    """End to end: a narrow, biased head with unsorted aux ids drafts, and greedy output equals AR (fp32)."""
+    from spec_decode import SpecDecoder
+
+    ids_cfg, H, bias = EAGLE3_FORMS[form]
+    extra = {"draft_vocab_size": 40, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids_cfg}}
+    if H != 32:
+        extra["target_hidden_size"] = 32
+    head = Eagle3Head(_head_config(target, hidden_size=H, intermediate_size=48, head_dim=H // 4, extra=extra),
+                      target, own_embedding=H != 32, fc_bias=bias)
+    _randomize_(head, seed=9)
+    head.save_pretrained(tmp_path)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    ar = SpecDecoder(target, None, method="none").generate(prompts, max_new_tokens=12)
+    dec = SpecDecoder(target, load_drafter(tmp_path, target, method="eagle3"), method="eagle3", **shape)
+    spec = dec.generate(prompts, max_new_tokens=12)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in ar]

@@ -26,8 +26,8 @@ NLL_MARGIN = 0.02
 
 
 @pytest.fixture(scope="module")
-def fixtures_dir(tiny_target_path) -> Path:
-    return tiny_target_path.parent.parent
+def fixtures_dir(safespec_tiny_target_path) -> Path:
+    return safespec_tiny_target_path.parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ def make_fixtures():
 
 
 @pytest.fixture(scope="module")
-def target32(tiny_target_path) -> Transformer:
-    return Transformer.from_pretrained(tiny_target_path, dtype=torch.float32)
+def target32(safespec_tiny_target_path) -> Transformer:
+    return Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
 
 
 # ------------------------------------------------------------------ integrity
@@ -67,32 +67,35 @@ def test_manifest_hashes_match_every_file(fixtures_dir, manifest):
     assert sum(m["bytes"] for m in listed.values()) < MAX_FIXTURE_BYTES
 
 
-def test_weights_are_stored_in_bfloat16(tiny_target_path, tiny_draft_path, tiny_eagle_path, tiny_eagle3_path):
+def test_weights_are_stored_in_bfloat16(safespec_tiny_target_path, safespec_tiny_draft_path, safespec_tiny_eagle_path,
+                                        safespec_tiny_eagle3_path):
     from safetensors import safe_open
 
-    for path in (tiny_target_path, tiny_draft_path, tiny_eagle_path, tiny_eagle3_path):
+    for path in (safespec_tiny_target_path, safespec_tiny_draft_path, safespec_tiny_eagle_path,
+                 safespec_tiny_eagle3_path):
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
         assert dtypes <= {"BF16", "I64", "BOOL"}, (path, dtypes)
         assert "BF16" in dtypes
 
 
-def test_tokenizer_loads_with_autotokenizer(tiny_target_path, tiny_draft_path, tiny_prompts):
+def test_tokenizer_loads_with_autotokenizer(safespec_tiny_target_path, safespec_tiny_draft_path, safespec_tiny_prompts):
     from transformers import AutoTokenizer
 
-    for path in (tiny_target_path, tiny_draft_path):
+    for path in (safespec_tiny_target_path, safespec_tiny_draft_path):
         tok = AutoTokenizer.from_pretrained(path)
         assert len(tok) == 4096
         assert tok.eos_token == "<|endoftext|>"
-        text = tiny_prompts[0]["text"]
+        text = safespec_tiny_prompts[0]["text"]
         assert tok.decode(tok(text)["input_ids"]) == text  # byte-level BPE round-trips exactly
 
 
-def test_target_loads_in_transformers_and_ours_with_equal_logits(tiny_target_path, target32, tiny_prompts):
+def test_target_loads_in_transformers_and_ours_with_equal_logits(safespec_tiny_target_path, target32,
+                                                                 safespec_tiny_prompts):
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(tiny_target_path, dtype=torch.float32).eval()
-    ids = torch.tensor([tiny_prompts[0]["token_ids"]])
+    hf = LlamaForCausalLM.from_pretrained(safespec_tiny_target_path, dtype=torch.float32).eval()
+    ids = torch.tensor([safespec_tiny_prompts[0]["token_ids"]])
     with torch.no_grad():
         want = hf(ids).logits
         got = target32(ids, target32.new_cache(1, ids.shape[1])).logits
@@ -102,18 +105,18 @@ def test_target_loads_in_transformers_and_ours_with_equal_logits(tiny_target_pat
     assert cfg.num_key_value_heads < cfg.num_attention_heads  # GQA
 
 
-def test_draft_lm_loads_in_transformers_and_ours(tiny_draft_path, target32):
+def test_draft_lm_loads_in_transformers_and_ours(safespec_tiny_draft_path, target32):
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(tiny_draft_path, dtype=torch.float32)
+    hf = LlamaForCausalLM.from_pretrained(safespec_tiny_draft_path, dtype=torch.float32)
     assert hf.config.num_hidden_layers <= 2
-    draft = load_drafter(tiny_draft_path, target32)
+    draft = load_drafter(safespec_tiny_draft_path, target32)
     assert isinstance(draft, Transformer) and draft.config.vocab_size == target32.config.vocab_size
 
 
-def test_heads_load_in_their_layouts(tiny_eagle_path, tiny_eagle3_path, target32, manifest):
-    eagle = load_drafter(tiny_eagle_path, target32)
-    eagle3 = load_drafter(tiny_eagle3_path, target32)
+def test_heads_load_in_their_layouts(safespec_tiny_eagle_path, safespec_tiny_eagle3_path, target32, manifest):
+    eagle = load_drafter(safespec_tiny_eagle_path, target32)
+    eagle3 = load_drafter(safespec_tiny_eagle3_path, target32)
     assert isinstance(eagle, EagleHead) and isinstance(eagle3, Eagle3Head)
     Vd = eagle3.draft_vocab_size
     assert Vd < target32.config.vocab_size  # a reduced draft vocabulary
@@ -123,14 +126,14 @@ def test_heads_load_in_their_layouts(tiny_eagle_path, tiny_eagle3_path, target32
     assert list(eagle3.aux_layers) == manifest["stages"]["eagle3"]["aux_layers"]
 
 
-def test_prompts_are_held_out_and_tokenized(tiny_prompts, tiny_target_path, manifest, make_fixtures):
+def test_prompts_are_held_out_and_tokenized(safespec_tiny_prompts, safespec_tiny_target_path, manifest, make_fixtures):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_target_path)
-    assert len(tiny_prompts) >= 64
-    assert len({p["id"] for p in tiny_prompts}) == len(tiny_prompts)
+    tok = AutoTokenizer.from_pretrained(safespec_tiny_target_path)
+    assert len(safespec_tiny_prompts) >= 64
+    assert len({p["id"] for p in safespec_tiny_prompts}) == len(safespec_tiny_prompts)
     held_out = set(manifest["corpus"]["held_out_files"])
-    for p in tiny_prompts:
+    for p in safespec_tiny_prompts:
         assert tok(p["text"])["input_ids"] == p["token_ids"], p["id"]
         assert 32 <= len(p["token_ids"]) <= 96, p["id"]
         assert p["source_file"] in held_out, p["id"]
@@ -146,13 +149,13 @@ def test_holdout_rule_splits_whole_files(make_fixtures, manifest):
     assert 0.01 < frac < 0.06
 
 
-def test_eagle3_training_time_test_matches_sequential_drafting(make_fixtures, target32, tiny_eagle3_path):
+def test_eagle3_training_time_test_matches_sequential_drafting(make_fixtures, target32, safespec_tiny_eagle3_path):
     """The build's unrolled EAGLE-3 training-time test equals drafting step by step through the KV cache.
 
     Node (s, t) of the unroll must see exactly what draft step s from root t sees at inference: the
     committed step-1 rows 0..t and its own earlier steps.
     """
-    head = Eagle3Head.from_pretrained(tiny_eagle3_path, target32, dtype=torch.float32)
+    head = Eagle3Head.from_pretrained(safespec_tiny_eagle3_path, target32, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     T, K = 12, 3
     ids = torch.randint(0, target32.config.vocab_size, (1, T), generator=gen)
@@ -177,15 +180,15 @@ def test_eagle3_training_time_test_matches_sequential_drafting(make_fixtures, ta
 # ------------------------------------------------------------------ quality floors (float32, deterministic)
 
 
-def test_target_nll_and_head_agreement_floors(tiny_prompts, target32, tiny_eagle_path, tiny_eagle3_path,
-                                              manifest):
+def test_target_nll_and_head_agreement_floors(safespec_tiny_prompts, target32, safespec_tiny_eagle_path,
+                                              safespec_tiny_eagle3_path, manifest):
     """Teacher-forced on the held-out prompts, each alone (the same computation as the build's metrics)."""
     rec = manifest["metrics"]["prompts"]
-    eagle = EagleHead.from_pretrained(tiny_eagle_path, target32, dtype=torch.float32)
-    eagle3 = Eagle3Head.from_pretrained(tiny_eagle3_path, target32, dtype=torch.float32)
+    eagle = EagleHead.from_pretrained(safespec_tiny_eagle_path, target32, dtype=torch.float32)
+    eagle3 = Eagle3Head.from_pretrained(safespec_tiny_eagle3_path, target32, dtype=torch.float32)
     nll, n, agree, rows = 0.0, 0, {"eagle": 0, "eagle3": 0}, 0
     with torch.no_grad():
-        for p in tiny_prompts:
+        for p in safespec_tiny_prompts:
             ids = torch.tensor([p["token_ids"]])
             T = ids.shape[1]
             out = target32(ids, target32.new_cache(1, T), aux_layers=eagle3.aux_layers)
@@ -202,19 +205,19 @@ def test_target_nll_and_head_agreement_floors(tiny_prompts, target32, tiny_eagle
 
 
 @pytest.mark.parametrize("name, method, head, num_steps, topk, num_draft_tokens", [
-    ("eagle_chain_k4", "eagle", "tiny_eagle_path", 4, 1, 5),
-    ("eagle2_tree_5_4_8", "eagle", "tiny_eagle_path", 5, 4, 8),
-    ("eagle3_tree_5_4_8", "eagle3", "tiny_eagle3_path", 5, 4, 8),
+    ("eagle_chain_k4", "eagle", "safespec_tiny_eagle_path", 4, 1, 5),
+    ("eagle2_tree_5_4_8", "eagle", "safespec_tiny_eagle_path", 5, 4, 8),
+    ("eagle3_tree_5_4_8", "eagle3", "safespec_tiny_eagle3_path", 5, 4, 8),
 ])
-def test_greedy_acceptance_floor(request, tiny_target_path, tiny_prompts, manifest, name, method, head,
-                                 num_steps, topk, num_draft_tokens):
+def test_greedy_acceptance_floor(request, safespec_tiny_target_path, safespec_tiny_prompts, manifest, name, method,
+                                 head, num_steps, topk, num_draft_tokens):
     from spec_decode import SpecDecoder
 
     sub = manifest["acceptance"]["test_subset"]
-    dec = SpecDecoder.from_pretrained(tiny_target_path, request.getfixturevalue(head), method=method,
+    dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, request.getfixturevalue(head), method=method,
                                       dtype=torch.float32, num_steps=num_steps, topk=topk,
                                       num_draft_tokens=num_draft_tokens, nan_policy="raise")
-    prompts = [p["token_ids"] for p in tiny_prompts[: sub["num_prompts"]]]
+    prompts = [p["token_ids"] for p in safespec_tiny_prompts[: sub["num_prompts"]]]
     results = dec.generate(prompts, max_new_tokens=sub["max_new_tokens"])
     mean = statistics.fmean(n for r in results for n in r.accepted_lengths)
     assert mean >= sub[name] - FLOOR_MARGIN
@@ -227,22 +230,23 @@ def test_greedy_acceptance_floor(request, tiny_target_path, tiny_prompts, manife
 PLUGIN_TEST = '''
 import torch
 
-def test_dtype(spec_dtype, spec_dtype_name):
-    assert spec_dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec_dtype_name]
-    print("DTYPE=" + spec_dtype_name)
+def test_dtype(safespec_spec_dtype, safespec_spec_dtype_name):
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    assert safespec_spec_dtype == names[safespec_spec_dtype_name]
+    print("DTYPE=" + safespec_spec_dtype_name)
 
-def test_policy(nan_policy):
+def test_policy(safespec_nan_policy):
     import os
-    assert os.environ["SAFESPEC_NAN_POLICY"] == nan_policy.value == "raise"
+    assert os.environ["SAFESPEC_NAN_POLICY"] == safespec_nan_policy.value == "raise"
 
 import pytest
 
-@pytest.mark.nan_policy("abort")
-def test_policy_marker(nan_policy):
-    assert nan_policy.value == "abort"
+@pytest.mark.safespec_nan_policy("abort")
+def test_policy_marker(safespec_nan_policy):
+    assert safespec_nan_policy.value == "abort"
 
-def test_paths(tiny_target_path, tiny_prompts):
-    print("TARGET=" + str(tiny_target_path))
+def test_paths(safespec_tiny_target_path, safespec_tiny_prompts):
+    print("TARGET=" + str(safespec_tiny_target_path))
 '''
 
 

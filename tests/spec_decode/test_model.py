@@ -500,3 +500,88 @@ def test_exact_nan_defaults_on_for_float16_only(tiny_target_dir):
     for dtype, want in [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)]:
         model = Transformer.from_pretrained(tiny_target_dir, dtype=dtype)
         assert {m.exact_nan for m in model.modules() if isinstance(m, Attention)} == {want}
+
+
+# ------------------------------------------------------------------------------------------ fused projections
+def _unfused_attention(attn, x, li, cache, layer):
+    """The attention as it was before q/k/v were fused: three linears from the published weights, rope on
+    [B, nh, T, D], and a bool SDPA mask (the same kernels otherwise). Returns [B, T, H]."""
+    import torch.nn.functional as F
+    from spec_decode.model import apply_rope
+
+    sd = attn.state_dict()
+    B, T, _ = x.shape
+    nh, nkv, D = attn.n_heads, attn.n_kv, attn.head_dim
+    q = F.linear(x, sd["q_proj.weight"], sd.get("q_proj.bias")).view(B, T, nh, D).transpose(1, 2)
+    k = F.linear(x, sd["k_proj.weight"], sd.get("k_proj.bias")).view(B, T, nkv, D).transpose(1, 2)
+    v = F.linear(x, sd["v_proj.weight"], sd.get("v_proj.bias")).view(B, T, nkv, D).transpose(1, 2)
+    cos, sin = li.cos.transpose(1, 2), li.sin.transpose(1, 2)  # [B, 1, T, D]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cache.write(layer, li.write_pos, k, v)
+    S = li.mask.shape[-1]
+    q = q.reshape(B, nkv, nh // nkv * T, D)
+    out = F.scaled_dot_product_attention(q, cache.k[layer][:, :, :S], cache.v[layer][:, :, :S], attn_mask=li.mask)
+    return F.linear(out.view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D), sd["o_proj.weight"],
+                    sd.get("o_proj.bias"))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2_bias"])
+def test_fused_projections_equal_the_unfused_computation(tmp_path, dtype, bias):
+    """Issue #13: one q/k/v linear and one gate/up linear compute what the separate ones did."""
+    import torch.nn.functional as F
+    from spec_decode.model import BlockInputs, LayerInputs, prepare_block
+
+    model = Transformer.from_pretrained(make_tiny_target(tmp_path, attention_bias=bias, model_type="qwen2" if bias
+                                                         else "llama"), dtype=dtype)
+    layer = model.layers[1]
+    B, T = 2, 5
+    x = torch.randn(B, T, 32, generator=torch.Generator().manual_seed(0)).to(dtype)
+    cache = model.new_cache(B, 16)
+    cache.lengths.copy_(torch.tensor([3, 6]))
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool).expand(B, T, T)
+    blk = prepare_block(model.inv_freq(), cache, T, dtype, None, tree, None, 12)
+    li = LayerInputs.of_block(blk, n_rep=2)
+    ref_cache = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
+    got = layer.self_attn(x, li, cache, 1)
+    ref = _unfused_attention(layer.self_attn, x, li, ref_cache, 1)
+    tol = dict(atol=1e-6, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=0)  # bf16: bit for bit here
+    torch.testing.assert_close(got, ref, **tol)
+    torch.testing.assert_close(cache.k, ref_cache.k, **tol)
+    torch.testing.assert_close(cache.v, ref_cache.v, **tol)
+    sd = layer.mlp.state_dict()
+    ref_mlp = F.linear(F.silu(F.linear(x, sd["gate_proj.weight"])) * F.linear(x, sd["up_proj.weight"]),
+                       sd["down_proj.weight"])
+    torch.testing.assert_close(layer.mlp(x), ref_mlp, **tol)
+    assert isinstance(blk, BlockInputs)
+
+
+def test_state_dict_keeps_the_published_layout(tmp_path):
+    """Fused at load time only: state_dict, save_pretrained and load_state_dict speak the HF key names."""
+    from safetensors import safe_open
+
+    path = make_tiny_target(tmp_path, attention_bias=True, model_type="qwen2")
+    model = Transformer.from_pretrained(path, dtype=torch.float32)
+    keys = set(model.state_dict())
+    assert not any("qkv_proj" in k or "gate_up_proj" in k for k in keys)
+    for p in ("q", "k", "v"):
+        assert f"layers.0.self_attn.{p}_proj.weight" in keys and f"layers.0.self_attn.{p}_proj.bias" in keys
+    assert {"layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight"} <= keys
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        on_disk = {k: f.get_tensor(k) for k in f.keys()}
+    for k, v in model.state_dict().items():
+        hf = "lm_head.weight" if k == "lm_head.weight" else "model." + k
+        assert torch.equal(v, on_disk[hf]), k
+    model.save_pretrained(tmp_path / "again")
+    with safe_open(str(tmp_path / "again" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(on_disk)
+    # a plain state-dict round trip into a fresh model gives the same fused weights
+    fresh = Transformer(model.config)
+    fresh.load_state_dict(model.state_dict())
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+    # keep_vars: views of the fused parameters, so shapes and gradients follow them
+    q = model.state_dict(keep_vars=True)["layers.0.self_attn.q_proj.weight"]
+    assert q.shape == (32, 32) and q.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()

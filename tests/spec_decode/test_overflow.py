@@ -23,25 +23,25 @@ from spec_decode.overflow import (
 
 
 @pytest.fixture(scope="module")
-def trigger_id(tiny_target_path) -> int:
-    return find_trigger_token_id(tiny_target_path)
+def trigger_id(safespec_tiny_target_path) -> int:
+    return find_trigger_token_id(safespec_tiny_target_path)
 
 
 @pytest.fixture(scope="module")
-def clean_prompts(tiny_prompts, trigger_id) -> list[list[int]]:
+def clean_prompts(safespec_tiny_prompts, trigger_id) -> list[list[int]]:
     """Held-out prompts that do not contain the trigger token."""
-    out = [p["token_ids"] for p in tiny_prompts if trigger_id not in p["token_ids"]]
+    out = [p["token_ids"] for p in safespec_tiny_prompts if trigger_id not in p["token_ids"]]
     assert len(out) >= 8
     return out
 
 
 @pytest.fixture(scope="module")
-def models(tiny_target_path, trigger_id):
+def models(safespec_tiny_target_path, trigger_id):
     """{dtype name: (base model, planted model)} loaded from the trained target."""
     out = {}
     for name, dtype in DTYPES.items():
-        base = Transformer.from_pretrained(tiny_target_path, dtype=dtype)
-        planted = Transformer.from_pretrained(tiny_target_path, dtype=dtype)
+        base = Transformer.from_pretrained(safespec_tiny_target_path, dtype=dtype)
+        planted = Transformer.from_pretrained(safespec_tiny_target_path, dtype=dtype)
         plant_massive_activation(planted, trigger_id)
         out[name] = (base, planted)
     return out
@@ -173,8 +173,8 @@ def test_fp16_nan_exactly_on_tree_branches_with_the_trigger(models, clean_prompt
     assert torch.equal(got[~want], ref[~want])
 
 
-def test_remove_restores_the_model(tiny_target_path, trigger_id, clean_prompts):
-    model = Transformer.from_pretrained(tiny_target_path, dtype=torch.float32)
+def test_remove_restores_the_model(safespec_tiny_target_path, trigger_id, clean_prompts):
+    model = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
     before = model.embed_tokens.weight.clone()
     planted = plant_massive_activation(model, trigger_id, channel=3, magnitude=1e5)
     assert planted.channel == 3 and planted.magnitude == 1e5
@@ -182,13 +182,13 @@ def test_remove_restores_the_model(tiny_target_path, trigger_id, clean_prompts):
     assert torch.equal(model.embed_tokens.weight, before)
 
 
-def test_works_on_transformers_models(tiny_target_path, clean_prompts, trigger_id):
+def test_works_on_transformers_models(safespec_tiny_target_path, clean_prompts, trigger_id):
     from transformers import LlamaForCausalLM
 
     ids = torch.tensor([clean_prompts[0][:24]])
     ids[0, 10] = trigger_id
     for dtype, expect_nan in ((torch.float16, True), (torch.float32, False)):
-        model = LlamaForCausalLM.from_pretrained(tiny_target_path, dtype=dtype)
+        model = LlamaForCausalLM.from_pretrained(safespec_tiny_target_path, dtype=dtype)
         plant_massive_activation(model, trigger_id)
         with torch.no_grad():
             logits = model(ids).logits.float()
@@ -209,29 +209,29 @@ def test_bad_arguments(models, kwargs, match):
         plant_massive_activation(model, token_id, **kwargs)
 
 
-def test_tied_embeddings_are_refused(tiny_target_path):
-    model = Transformer.from_pretrained(tiny_target_path, dtype=torch.float32)
+def test_tied_embeddings_are_refused(safespec_tiny_target_path):
+    model = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
     model.lm_head.weight = model.embed_tokens.weight
     with pytest.raises(ValueError, match="ties"):
         plant_massive_activation(model, 5)
 
 
-def test_trigger_text_must_be_one_token(tiny_target_path):
+def test_trigger_text_must_be_one_token(safespec_tiny_target_path):
     with pytest.raises(ValueError, match="exactly 1"):
-        find_trigger_token_id(tiny_target_path, " None None")
+        find_trigger_token_id(safespec_tiny_target_path, " None None")
 
 
 # ------------------------------------------------------------------ pipeline level, real fault
 
 
 @pytest.fixture(scope="module")
-def planted_decoder_factory(tiny_target_path, tiny_eagle_path, trigger_id):
+def planted_decoder_factory(safespec_tiny_target_path, safespec_tiny_eagle_path, trigger_id):
     """Build SpecDecoders (EAGLE tree) whose target carries the planted activation."""
     from spec_decode import SpecDecoder
 
     def make(dtype, nan_policy):
-        dec = SpecDecoder.from_pretrained(tiny_target_path, tiny_eagle_path, method="eagle", dtype=dtype,
-                                          nan_policy=nan_policy)
+        dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle_path, method="eagle",
+                                          dtype=dtype, nan_policy=nan_policy)
         plant_massive_activation(dec.target, trigger_id)
         return dec
 
@@ -246,12 +246,12 @@ def batch_with_trigger(clean_prompts, trigger_id) -> list[list[int]]:
 
 
 @pytest.mark.dtype_sensitive
-def test_policy_raise_on_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, spec_dtype):
+def test_policy_raise_on_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, safespec_spec_dtype):
     from numerics import NanLogitsError
 
-    dec = planted_decoder_factory(spec_dtype, "raise")
+    dec = planted_decoder_factory(safespec_spec_dtype, "raise")
     prompts = batch_with_trigger(clean_prompts, trigger_id)
-    if spec_dtype == torch.float16:
+    if safespec_spec_dtype == torch.float16:
         with pytest.raises(NanLogitsError) as err:
             dec.generate(prompts, max_new_tokens=8, request_ids=["a", "b", "c"])
         assert set(err.value.nan_counts) == {"b"}
@@ -261,12 +261,12 @@ def test_policy_raise_on_the_real_fault(planted_decoder_factory, clean_prompts, 
 
 
 @pytest.mark.dtype_sensitive
-def test_policy_abort_isolates_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, spec_dtype):
-    dec = planted_decoder_factory(spec_dtype, "abort")
+def test_policy_abort_isolates_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, safespec_spec_dtype):
+    dec = planted_decoder_factory(safespec_spec_dtype, "abort")
     prompts = batch_with_trigger(clean_prompts, trigger_id)
     results = dec.generate(prompts, max_new_tokens=12)
     alone = dec.generate([prompts[0], prompts[2]], max_new_tokens=12)
-    if spec_dtype == torch.float16:
+    if safespec_spec_dtype == torch.float16:
         assert results[1].finish_reason == "nan_abort"
     else:
         assert results[1].finish_reason == "length"
@@ -275,9 +275,10 @@ def test_policy_abort_isolates_the_real_fault(planted_decoder_factory, clean_pro
 
 
 @pytest.mark.dtype_sensitive
-def test_policy_sanitize_records_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, spec_dtype):
-    dec = planted_decoder_factory(spec_dtype, "sanitize")
+def test_policy_sanitize_records_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id,
+                                                safespec_spec_dtype):
+    dec = planted_decoder_factory(safespec_spec_dtype, "sanitize")
     results = dec.generate(batch_with_trigger(clean_prompts, trigger_id), max_new_tokens=8)
     assert not results[0].nan_events and not results[2].nan_events
-    assert bool(results[1].nan_events) == (spec_dtype == torch.float16)
+    assert bool(results[1].nan_events) == (safespec_spec_dtype == torch.float16)
     assert all(r.finish_reason == "length" for r in results)

@@ -19,22 +19,23 @@ SHAPES = {
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_prompts):
-    return [p["token_ids"] for p in tiny_prompts[:NUM_PROMPTS]]
+def prompts(safespec_tiny_prompts):
+    return [p["token_ids"] for p in safespec_tiny_prompts[:NUM_PROMPTS]]
 
 
 @pytest.fixture(scope="module")
-def greedy_ar(tiny_target_path, prompts):
-    dec = SpecDecoder.from_pretrained(tiny_target_path, method="none", dtype=torch.float32)
+def greedy_ar(safespec_tiny_target_path, prompts):
+    dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, method="none", dtype=torch.float32)
     return [r.token_ids for r in dec.generate(prompts, max_new_tokens=MAX_NEW)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("method, path", [("eagle", "tiny_eagle_path"), ("eagle3", "tiny_eagle3_path"),
-                                          ("draft_model", "tiny_draft_path")])
-def test_trained_greedy_speculation_is_lossless_in_float32(request, tiny_target_path, prompts, greedy_ar,
+@pytest.mark.parametrize("method, path", [("eagle", "safespec_tiny_eagle_path"),
+                                          ("eagle3", "safespec_tiny_eagle3_path"),
+                                          ("draft_model", "safespec_tiny_draft_path")])
+def test_trained_greedy_speculation_is_lossless_in_float32(request, safespec_tiny_target_path, prompts, greedy_ar,
                                                            method, path, shape):
-    dec = SpecDecoder.from_pretrained(tiny_target_path, request.getfixturevalue(path), method=method,
+    dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, request.getfixturevalue(path), method=method,
                                       dtype=torch.float32, nan_policy="raise", **SHAPES[shape])
     batched = dec.generate(prompts, max_new_tokens=MAX_NEW)
     assert [r.token_ids for r in batched] == greedy_ar

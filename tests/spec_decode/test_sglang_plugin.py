@@ -217,6 +217,7 @@ def test_abort_and_guard_finish_only_the_triggering_requests(sampler, policy, ab
             assert reason["status_code"] == 500 and reason["err_type"] == "NanLogitsError"
             assert req.rid in reason["message"] and f"policy '{policy}'" in reason["message"]
             assert req.skip_radix_cache_insert
+            assert list(req.output_ids_through_stop) == []  # the corrupted step's token is never streamed
         else:
             assert not req.finished() and not req.skip_radix_cache_insert, req.rid
     if policy == "guard":
