@@ -1,8 +1,9 @@
-"""NaN counts per request over the flat rows of a speculative-verification batch.
+"""NaN, Inf and dead-row counts per request over the flat rows of a speculative-verification batch.
 
-Glossary: a batch of verification logits is flat, ``[num_rows, V]``; request ``i``
-owns rows ``cu_num_rows[i]:cu_num_rows[i+1]`` (its draft positions plus the bonus
-position), possibly none. Rows outside every range (padding) are ignored.
+NaN, Inf, non-finite and dead row are defined in the glossary of ``numerics.policy``. A batch
+of verification logits is flat, ``[num_rows, V]``; request ``i`` owns rows
+``cu_num_rows[i]:cu_num_rows[i+1]`` (its draft positions plus the bonus position), possibly
+none. Rows outside every range (padding) are ignored.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _row_owner(cu_num_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where(owner < 0, num_reqs, owner)
 
 
+_CPU_ROW_SUM_FILTER = True
+"""CPU only: count entry by entry only the rows whose sum is not finite (tests turn it off to
+check the every-row path that devices take)."""
+
+
 def _row_counts(logits: torch.Tensor) -> torch.Tensor:
     """NaN entries, +-Inf entries and deadness of every row, entry by entry. No host sync.
 
@@ -54,7 +60,10 @@ def _row_counts(logits: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(logits).sum(dim=-1, dtype=torch.int32)
     # Every entry is exactly one of NaN, Inf, finite: Inf and deadness follow without another read.
     torch.sub(vocab - finite, out[0], out=out[1])
-    torch.eq(finite, 0, out=out[2]) if vocab else out[2].zero_()  # V == 0: finite, not dead
+    if vocab:
+        torch.eq(finite, 0, out=out[2])
+    else:
+        out[2].zero_()  # a row with V == 0 is not dead
     return out
 
 
@@ -83,11 +92,6 @@ def _nonfinite_counts_reference(
     if sanitize:
         _sanitize_reference(logits)
     return NonfiniteCounts(counts[0, :num_reqs], counts[1, :num_reqs], counts[2, :num_reqs])
-
-
-_CPU_ROW_SUM_FILTER = True
-"""CPU only: count entry by entry only the rows whose sum is not finite (tests turn it off to
-check the every-row path that devices take)."""
 
 
 def _nan_counts_reference(

@@ -35,10 +35,11 @@ class NanPolicy(str, enum.Enum):
     mode          what happens                                                host syncs
     ============  ==========================================================  =====================
     ``off``       nothing: no check, no sanitize. Garbage in, garbage out.    none
-    ``sanitize``  One in-place pass (NaN/-Inf -> -1e30, +Inf ->      none (CUDA); the
-                  1e30, see ``sanitize_nan_logits``) plus the one-shot        warning is one or
+    ``sanitize``  one in-place pass (NaN/-Inf -> -1e30, +Inf -> 1e30, see     none (CUDA); the
+                  ``sanitize_nan_logits``) plus the one-shot                  warning is one or
                   ``AsyncNanWarner``: flag copied to pinned memory            more steps late
-                  without a sync.
+                  without a sync. A dead row becomes uniform and its
+                  request carries on, returning tokens with no meaning.
     ``raise``     fail fast: NaN count per request (``nan_counts_per_         one, where the caller
                   request``), then the caller copies the counts to the host   reads the counts
                   and calls ``raise_if_nan_logits``, which raises             (e.g. ``.tolist()``)
