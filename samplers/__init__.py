@@ -37,6 +37,7 @@ Renamed for one release (they warn with ``DeprecationWarning`` when accessed):
 results of ``greedy_verify`` and ``chain_speculative_sampling``.
 """
 
+from ._nan import clean_probs
 from .draws import row_uniform, sample_without_replacement
 from .output import SamplerOutput
 from ._params import SamplingParams
@@ -50,6 +51,7 @@ __all__ = [
     "SamplingParams",
     "TreeVerifyResult",
     "chain_speculative_sampling",
+    "clean_probs",
     "greedy_verify",
     "logits_to_probs",
     "row_uniform",

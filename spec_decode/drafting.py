@@ -23,8 +23,9 @@ sampled drafts
     For a request with temperature > 0, a node's children are drawn from q, the drafter's
     distribution at that request's temperature (and its top-k/top-p), without replacement, in
     draw order. Which children are kept is decided before they are drawn (see
-    ``sampled_depth_budget``), so each node keeps a prefix of its draws whose length does not
-    depend on their values: that is what keeps recursive rejection sampling exact. q travels with
+    ``sampled_depth_budget``; slots go by rank, the j-th draw scoring log(q_(j)/q_(1)) from q's
+    sorted values), so each node keeps a prefix of its draws whose length does not depend on
+    their values: that is what keeps recursive rejection sampling exact. q travels with
     the tree as ``DraftTree.draft_probs``.
 """
 from __future__ import annotations
@@ -228,13 +229,17 @@ class _Expansion:
             return
         q = _draft_q(logits, sampling)
         drawn = sample_without_replacement(q, k, sampling.generator)                    # [B, F, k]
-        q_lp = torch.log(q.gather(-1, drawn)).clamp(min=-1e30)   # a q = 0 draw stays rankable
-        prio = torch.log(torch.topk(q, k, dim=-1).values).clamp(min=-1e30)
+        # A sampled child's worth is its rank, not its drawn value: the first draw is tried first
+        # and, under recursive rejection, accepted with probability 1 - TV(p, q) whatever token it
+        # is. Rank j scores log(q_(j) / q_(1)) from q's sorted values: 0 for first draws (so a
+        # tree always holds the chain of first draws), lower when the drafter is confident.
+        top = torch.topk(q, k, dim=-1).values
+        prio = (torch.log(top) - torch.log(top[..., :1])).clamp(min=-1e30)
         if sampling.all_sampled:
-            self.lp, self.ids, self.prio_step = q_lp, drawn, prio
+            self.lp, self.ids, self.prio_step = prio, drawn, prio
         else:
             row = sampling.sampled[:, None, None]
-            self.lp = torch.where(row, q_lp, self.lp)
+            self.lp = torch.where(row, prio, self.lp)
             self.ids = torch.where(row, drawn, self.ids)
             self.prio_step = torch.where(row, prio, self.lp)
         self.q = q

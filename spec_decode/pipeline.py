@@ -40,7 +40,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
-from samplers import SamplingParams, sample, tree_verify
+from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, logits_to_probs, sample,
+                      tree_verify)
 from spec_decode.drafting import DraftSampling, Drafter, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
@@ -376,9 +377,7 @@ class SpecDecoder:
         with self.phase_timer("verify_walk"):
             plan.apply(out.logits, step, "target_logits", batch.active)
             counts = self._nan_pass(out.logits.view(B * N, -1), N)
-            res = tree_verify(tree.tokens, tree.parents, out.logits, generator=batch.generator(), nan_policy="off",
-                              max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
-                              sibling_sampling="without_replacement", **batch.sampling.kwargs())
+            res = self._verify(tree, out.logits, batch)
             host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
         with self.phase_timer("bookkeeping"):
             num_host = [h.num for h in host]
@@ -394,6 +393,36 @@ class SpecDecoder:
             batch.append_catch(out_tokens.clamp(min=0), feats, num, num_host)
             batch.root = out_tokens.gather(1, (num - 1)[:, None])[:, 0]
             return self._finish_step(batch, req, host, step)
+
+    def _verify(self, tree, logits, batch) -> "_Verified":
+        """Verify the batch's trees: ``tree_verify``, or classic chain speculative sampling for chains.
+
+        A chain (``topk=1``) with sampled rows goes through ``chain_speculative_sampling``: the same
+        law as the tree walk's recursive rejection with one child per node, in far fewer ops. Greedy
+        rows of a mixed batch get a one-hot q on their (top-1) draft, the deterministic-draft rule.
+        Shape: logits [B, N, V] -> _Verified with output_token_ids [B, N], num_emitted [B],
+        accepted_node_ids [B, N-1].
+        """
+        s = batch.sampling
+        if self.topk > 1 or s.all_greedy:
+            res = tree_verify(tree.tokens, tree.parents, logits, generator=batch.generator(), nan_policy="off",
+                              max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
+                              sibling_sampling="without_replacement", **s.kwargs())
+            return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
+        B, N, V = logits.shape
+        probs = logits_to_probs(logits.reshape(B * N, V), nan_policy="off", **s.repeat(N).kwargs()).view(B, N, V)
+        drafts = tree.tokens[:, 1:]
+        q = tree.draft_probs
+        if q is not None:
+            q = q[:, :N - 1]
+            if not batch.all_sampled and self.draft_sampling != "sampled":
+                one_hot = torch.nn.functional.one_hot(drafts, V).to(q.dtype)
+                q = torch.where((s.temperature > 0)[:, None, None], q, one_hot)
+        out = chain_speculative_sampling(q, drafts, probs, generator=batch.generator(), nan_policy="off",
+                                         backend="torch")
+        nodes = torch.arange(1, N, device=logits.device)
+        accepted = torch.where(nodes < out.num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
+        return _Verified(out.output_token_ids, out.num_emitted, accepted)
 
     def _draft_sampling(self, batch) -> DraftSampling | None:
         """Which rows sample their drafts (None: every row drafts greedily)."""
@@ -524,6 +553,16 @@ class SpecDecoder:
         except NanLogitsError as err:
             err.results = req.results
             raise
+
+
+@dataclass
+class _Verified:
+    """What a step's verification emits. Shape: output_token_ids [B, D+1] (then -1), num_emitted [B],
+    accepted_node_ids [B, D] (tree nodes along the accepted path, then -1)."""
+
+    output_token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    accepted_node_ids: torch.Tensor
 
 
 @dataclass

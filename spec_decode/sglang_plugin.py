@@ -50,7 +50,7 @@ from http import HTTPStatus
 import torch
 
 from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits, sanitize_nan_logits
-from samplers._nan import clean_probs
+from samplers import clean_probs
 
 logger = logging.getLogger(__name__)
 

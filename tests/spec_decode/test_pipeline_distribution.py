@@ -128,6 +128,7 @@ SAMPLED = {
     "chain": (CHAIN, 1.0),
     "tree": (TREE, 1.0),
     "mixed": (TREE, [1.0, 0.0] * (NUM_SAMPLES // 2) + [1.0] * (NUM_SAMPLES // 2)),
+    "mixed_chain": (CHAIN, [1.0, 0.0] * (NUM_SAMPLES // 2) + [1.0] * (NUM_SAMPLES // 2)),
 }
 
 
@@ -166,6 +167,7 @@ def _mutant_probs_at_another_temperature(monkeypatch):
     (_mutant_residual_skipped, "tree"),
     (_mutant_probs_at_another_temperature, "chain"),
     (_mutant_probs_at_another_temperature, "mixed"),
+    (_mutant_residual_skipped, "mixed_chain"),
 ])
 def test_sampled_draft_mutants_are_caught(small, monkeypatch, mutant, case):
     target, head = small
