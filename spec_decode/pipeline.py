@@ -599,38 +599,46 @@ class DepthController:
 
     It keeps, per regime (all-greedy batches vs batches with sampled requests):
 
-    * the step time per depth, as an exponential moving average of measured wall times (depths never
-      run are interpolated linearly between the measured ones);
+    * the step time per depth, as an exponential moving average of measured wall times;
     * the acceptance survival ``P(accepted drafts >= j)``, from a per-level pass rate: a step run at
       depth ``d`` that accepted ``a`` drafts passed levels ``1..a`` and, if ``a < d``, failed level
       ``a + 1``; levels above ``d`` are unobserved (censored), so every depth's data counts.
 
     Each step it picks the depth with the best expected tokens per second,
-    ``(1 + sum_{j<=d} P(A >= j)) / time(d)``. Exploration: the first steps run the deepest depth,
-    then depth 0 (to time a plain step), and every ``probe_every`` steps the depth just above the
-    current choice runs once, so a depth that was never measured can still win. Statistics persist
-    across ``generate`` calls.
+    ``(1 + sum_{j<=d} P(A >= j)) / time(d)``. Exploration: the first step runs the deepest depth
+    (acceptance data for every level), the second a plain step (its time); depths not yet run take
+    their time by linear interpolation between measured ones. Then the depth just above the current
+    choice runs once every ``probe_every`` steps; the interval doubles (up to 8x) while probes leave
+    the choice unchanged and resets when it changes, so a settled choice costs few probes.
+    Statistics persist across ``generate`` calls.
     """
 
     def __init__(self, max_depth: int, probe_every: int = 16, ema: float = 0.2):
         self.max_depth, self.probe_every, self.ema = max_depth, probe_every, ema
         self._stats: dict[str, _DepthStats] = {}
 
+    def _state(self, regime: str) -> "_DepthStats":
+        return self._stats.setdefault(regime, _DepthStats(self.max_depth, self.probe_every))
+
     def choose(self, regime: str) -> int:
-        st = self._stats.setdefault(regime, _DepthStats(self.max_depth))
+        st = self._state(regime)
         st.steps += 1
         if st.time[self.max_depth] is None:
             return self.max_depth
         if st.time[0] is None:
             return 0
         best = st.best()
-        if st.steps % self.probe_every == 0 and best < self.max_depth:
+        if best != st.last_best:
+            st.last_best, st.interval, st.next_probe = best, self.probe_every, st.steps + self.probe_every
+        if st.steps >= st.next_probe and best < self.max_depth:
+            st.interval = min(2 * st.interval, 8 * self.probe_every)
+            st.next_probe = st.steps + st.interval
             return best + 1
         return best
 
     def record(self, depth: int, seconds: float, emitted: list[int], regime: str) -> None:
         """One step's outcome: its depth, wall time, and tokens emitted per request."""
-        st = self._stats.setdefault(regime, _DepthStats(self.max_depth))
+        st = self._state(regime)
         old = st.time[depth]
         st.time[depth] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
         if depth == 0:
@@ -645,24 +653,23 @@ class DepthController:
 
 
 class _DepthStats:
-    def __init__(self, max_depth: int):
+    def __init__(self, max_depth: int, probe_every: int):
         self.max_depth = max_depth
+        self.last_best, self.interval, self.next_probe = -1, probe_every, 0
         self.time: list[float | None] = [None] * (max_depth + 1)
         self.tries = [0] * (max_depth + 1)
         self.passes = [0] * (max_depth + 1)
         self.steps = 0
 
     def _times(self) -> list[float]:
+        """Measured times, and linear interpolation between measured depths for the others."""
         known = [(d, t) for d, t in enumerate(self.time) if t is not None]
         out = []
-        for d in range(self.max_depth + 1):
-            if self.time[d] is not None:
-                out.append(self.time[d])
-                continue
-            lo = max((k for k in known if k[0] < d), default=known[0])
-            hi = min((k for k in known if k[0] > d), default=known[-1])
+        for d, t in enumerate(self.time):
+            lo = max((k for k in known if k[0] <= d), default=known[0])
+            hi = min((k for k in known if k[0] >= d), default=known[-1])
             w = 0.0 if hi[0] == lo[0] else (d - lo[0]) / (hi[0] - lo[0])
-            out.append(lo[1] + w * (hi[1] - lo[1]))
+            out.append(t if t is not None else lo[1] + w * (hi[1] - lo[1]))
         return out
 
     def best(self) -> int:

@@ -45,7 +45,7 @@ class MethodSpec:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "key"}
 
 
-_EAGLE_TREE = MethodSpec("eagle_tree", "ours", "eagle", "eagle", 5, 4, 8)
+_EAGLE_TREE = MethodSpec("eagle_tree", "ours", "eagle", "eagle", 4, 2, 8)   # CPU winner of `spec-bench tune`
 METHOD_SPECS = {
     "ar": MethodSpec("ar", "ours", "none"),
     "hf_generate": MethodSpec("hf_generate", "hf"),
@@ -55,7 +55,7 @@ METHOD_SPECS = {
     "eagle_tree": _EAGLE_TREE,
     # eagle_tree's shape, its depth chosen per step by the decoder (SpecDecoder(num_steps="auto"))
     "eagle_auto": replace(_EAGLE_TREE, key="eagle_auto", num_steps="auto"),
-    "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 5, 4, 8),
+    "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8),
 }
 
 

@@ -103,3 +103,14 @@ def test_controller_keeps_regimes_apart():
     assert ctl.choose("sampled") == 4   # sampled batches start exploring afresh
     ctl.record(4, 1.8, [1], "sampled")
     assert ctl.choose("sampled") == 0 and ctl.choose("greedy") == 4
+
+
+def test_controller_probes_less_often_while_the_choice_holds():
+    ctl = _controller_after(acceptance=0, step_time=lambda d: 1.0 + 0.3 * d, steps=10)
+    picks = []
+    for _ in range(400):
+        d = ctl.choose("greedy")
+        ctl.record(d, 1.0 + 0.3 * d, [1], "greedy")
+        picks.append(d)
+    probes = sum(1 for d in picks if d)
+    assert 3 <= probes <= 7   # 16, 32, 64, 128, 128 ... steps apart: not one probe every 16 steps (25)
