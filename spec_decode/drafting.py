@@ -166,7 +166,6 @@ class _Pool:
         self.kept: list[Tensor] = []       # each [B, n] bool: chosen for a sampled row's tree
         self.depth: list[int] = []
         self.size = 0
-        self.widest = 0                    # the most children any node may keep (host int)
         self.anc = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
 
     def add(self, scores, tokens, parents, kept, depth: int) -> int:
@@ -211,9 +210,9 @@ def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
 class _Expansion:
     """Children of one batch of frontier nodes, greedy or sampled per row.
 
-    Shape: logits [B, F, Vd] -> lp [B, F, k] (cumulative-score increments), ids [B, F, k] draft ids,
-    q [B, F, Vd] or None, prio_step [B, F, k] (log of q's k largest values: the expected-score
-    increments that decide a sampled row's kept children before they are drawn).
+    Shape: logits [B, F, Vd] -> lp [B, F, k] (score increments: greedy rows the children's
+    log-probs, sampled rows the rank scores that decide which draws are kept before they are
+    drawn), ids [B, F, k] draft ids, q [B, F, Vd] or None.
     NaN: the logits are sanitized (on a float32 copy) before ranking or sampling, so a NaN draft
     never yields a bad id.
     """
@@ -224,7 +223,6 @@ class _Expansion:
         self.q = None
         if sampling is None or not sampling.all_sampled:
             self.lp, self.ids = _greedy_children(logits, k)
-            self.prio_step = self.lp
         if sampling is None:
             return
         q = _draft_q(logits, sampling)
@@ -236,12 +234,11 @@ class _Expansion:
         top = torch.topk(q, k, dim=-1).values
         prio = (torch.log(top) - torch.log(top[..., :1])).clamp(min=-1e30)
         if sampling.all_sampled:
-            self.lp, self.ids, self.prio_step = prio, drawn, prio
+            self.lp, self.ids = prio, drawn
         else:
             row = sampling.sampled[:, None, None]
             self.lp = torch.where(row, prio, self.lp)
             self.ids = torch.where(row, drawn, self.ids)
-            self.prio_step = torch.where(row, prio, self.lp)
         self.q = q
 
 
@@ -274,50 +271,47 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     """
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
+    no_kept = lambda n: torch.zeros(B, n, dtype=torch.bool, device=device)
     pool = _Pool(B, k + (num_steps - 1) * k * k, device)
-    pool.widest = min(k, max(budget)) if budget else k   # a node keeps at most this many children
     exp = _Expansion(first_logits[:, None], k, sampling)
-    kept = _keep_prefixes(exp.prio_step[:, 0], budget[0]) if budget else torch.zeros_like(exp.ids[:, 0], dtype=torch.bool)
-    score = exp.lp[:, 0]
-    pool.add(score, drafter.to_target_ids(exp.ids[:, 0]), torch.full_like(exp.ids[:, 0], NO_PARENT), kept, 1)
-    node_q = [(torch.zeros(B, 1, dtype=torch.long, device=device), exp.q)]   # (tree node or pool idx, q)
-    frontier_pool = _pick_frontier(score, kept, sampling, k)                    # [B, k] pool indices
+    score, tokens = exp.lp[:, 0], drafter.to_target_ids(exp.ids[:, 0])         # [B, k]
+    kept = _keep_prefixes(score, budget[0]) if budget else no_kept(k)
+    pool.add(score, tokens, torch.full_like(tokens, NO_PARENT), kept, 1)
+    node_q = [(torch.zeros(B, 1, dtype=torch.long, device=device), exp.q)]   # (pool idx, q); root first
+    pick = _pick_frontier(score, kept, sampling, k)                             # [B, k] within the depth
+    frontier_pool, frontier_score, frontier_kept, frontier_tokens = (
+        pick, score.gather(1, pick), kept.gather(1, pick), tokens.gather(1, pick))
     frontier_hidden = None if first_hidden is None else first_hidden[:, None, :].expand(B, k, -1)
     spec_pool = frontier_pool.new_zeros(B, 0)                                   # pool idx of each spec row
-    tokens_all = pool.tokens[0]
     for step in range(1, num_steps):
         spec_pool = torch.cat([spec_pool, frontier_pool], 1)                    # [B, S]
         S = spec_pool.shape[1]
         anc_rows = pool.anc.gather(1, frontier_pool[:, :, None].expand(B, k, pool.anc.shape[2]))
         mask = anc_rows.gather(2, spec_pool[:, None, :].expand(B, k, S))         # [B, k, S]
-        tokens = tokens_all.gather(1, frontier_pool)
         position_ids = cache.lengths[:, None] + (step - 1)                      # a depth-d node sits d-1 after
         hidden, feedback = drafter.draft_forward(
-            tokens, frontier_hidden, cache, position_ids=position_ids.expand(B, k), tree_mask=mask,
+            frontier_tokens, frontier_hidden, cache, position_ids=position_ids.expand(B, k), tree_mask=mask,
             kv_len=None if kv_len is None else kv_len + S)
         exp = _Expansion(drafter.compute_logits(hidden), k, sampling)           # [B, k, k]
         node_q.append((frontier_pool, exp.q))
-        parent_score = torch.cat(pool.scores, 1).gather(1, frontier_pool)                # [B, k]
-        cand_score = (parent_score[:, :, None] + exp.lp).reshape(B, k * k)
-        cand_parent = frontier_pool[:, :, None].expand(B, k, k).reshape(B, k * k)
-        if budget is not None:
-            parent_kept = torch.cat(pool.kept, 1).gather(1, frontier_pool)       # [B, k]
+        score = (frontier_score[:, :, None] + exp.lp).reshape(B, k * k)
+        tokens = drafter.to_target_ids(exp.ids.reshape(B, k * k))
+        kept = no_kept(k * k)
+        if budget is not None and budget[step]:
             # clamp: a kept parent's slots must outrank every slot of a parent that is not kept
-            prio = (parent_score[:, :, None] + exp.prio_step).clamp(min=-1e30)
-            prio = prio.masked_fill(~parent_kept[:, :, None], float("-inf"))
-            kept = _keep_prefixes(prio.reshape(B, k * k), budget[step]) if budget[step] else \
-                torch.zeros(B, k * k, dtype=torch.bool, device=device)
-        else:
-            kept = torch.zeros(B, k * k, dtype=torch.bool, device=device)
-        base = pool.add(cand_score, drafter.to_target_ids(exp.ids.reshape(B, k * k)), cand_parent, kept, step + 1)
-        tokens_all = torch.cat([tokens_all, pool.tokens[-1]], 1)
+            prio = score.clamp(min=-1e30).masked_fill(~frontier_kept.repeat_interleave(k, 1), float("-inf"))
+            kept = _keep_prefixes(prio, budget[step])
+        base = pool.add(score, tokens, frontier_pool.repeat_interleave(k, 1), kept, step + 1)
         if step + 1 < num_steps:
-            pick = _pick_frontier(cand_score, kept, sampling, k)               # [B, k] within this depth
-            frontier_pool = base + pick
+            pick = _pick_frontier(score, kept, sampling, k)                    # [B, k] within this depth
+            frontier_pool, frontier_score, frontier_kept, frontier_tokens = (
+                base + pick, score.gather(1, pick), kept.gather(1, pick), tokens.gather(1, pick))
             if feedback is not None:
                 src = torch.div(pick, k, rounding_mode="floor")                 # the frontier row it came from
                 frontier_hidden = feedback.gather(1, src[:, :, None].expand(B, k, feedback.shape[-1]))
-    return _select_tree(root, pool, num_draft_tokens, num_steps, sampling, node_q, drafter)
+    # a node keeps at most this many children: k, or the largest per-depth budget if every row samples
+    widest = min(k, max(budget)) if sampling is not None and sampling.all_sampled else k
+    return _select_tree(root, pool, num_draft_tokens, num_steps, sampling, node_q, drafter, widest)
 
 
 def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, k: int) -> Tensor:
@@ -331,7 +325,8 @@ def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, 
     return torch.topk(score, k, dim=-1).indices
 
 
-def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampling, node_q, drafter) -> DraftTree:
+def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampling, node_q, drafter,
+                 max_children: int) -> DraftTree:
     """Lay the chosen pool candidates out as a tree.
 
     Greedy rows keep the best ``num_draft_tokens - 1`` by score: a stable descending sort breaks ties
@@ -361,7 +356,7 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     all_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
     all_depth = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
     # The verify mask from the pool's ancestor sets: rows and columns of the chosen entries, plus the root.
-    anc = pool.anc[:, :P, :P].gather(1, chosen[:, :, None].expand(B, keep, P)).gather(
+    anc = pool.anc.gather(1, chosen[:, :, None].expand(B, keep, P)).gather(
         2, chosen[:, None, :].expand(B, keep, keep))
     anc = anc & real[:, :, None] & real[:, None, :]
     anc = anc | torch.eye(keep, dtype=torch.bool, device=device)
@@ -372,9 +367,8 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     draft_probs = None
     if sampling is not None:
         draft_probs = _node_probs(node_q, node_of_pool, keep + 1, drafter)
-    widest = pool.widest if sampling is not None and sampling.all_sampled else len(pool.tokens[0][0])
     return DraftTree(all_tokens, all_parents, all_depth, mask, max_depth=num_steps, draft_probs=draft_probs,
-                     max_children=widest)
+                     max_children=max_children)
 
 
 def _node_probs(node_q, node_of_pool: Tensor, n: int, drafter) -> Tensor:

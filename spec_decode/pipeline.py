@@ -129,7 +129,7 @@ class _Batch:
     target_len: list[int]
     draft_len: list[int]
     catch_len: list[int]
-    generators: list[torch.Generator] | None
+    generators: list[torch.Generator] | None   # one per row, or None: torch's default generator
     all_sampled: bool = False   # host fact: every request has temperature > 0 (stays true as rows leave)
 
     def keep(self, rows: list[int]) -> "_Batch":
@@ -143,10 +143,6 @@ class _Batch:
             catch_lens=pick(self.catch_lens), sampling=self.sampling.select(idx),
             target_len=host(self.target_len), draft_len=host(self.draft_len), catch_len=host(self.catch_len),
             generators=host(self.generators), all_sampled=self.all_sampled)
-
-    def generator(self):
-        """What the samplers take: one generator per row, or None (torch's default generator)."""
-        return self.generators
 
     def append_catch(self, tokens: torch.Tensor, hidden: torch.Tensor | None, num: torch.Tensor,
                      num_host: list[int]) -> None:
@@ -264,7 +260,7 @@ class SpecDecoder:
         Inf is sanitized.
         """
         req = _Requests.build(prompt_token_ids, self.target.config, max_new_tokens, temperature,
-                              top_k, top_p, stop_token_ids, request_ids)
+                              top_k, top_p, stop_token_ids, request_ids, self.target.device)
         plan = FaultPlan(() if faults is None else faults, len(req.prompts))
         generators = _request_generators(seed, len(req.prompts), self.target.device)
         self.last_stats = StepStats()
@@ -278,13 +274,14 @@ class SpecDecoder:
                 depth = 0
                 batch = self._plain_step(batch, req, plan, step)
             else:
-                depth = self._pick_depth(batch)
+                regime = _regime(batch.sampling)
+                depth = self._pick_depth(regime)
                 batch = self._spec_step(batch, req, plan, step, depth)
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)
             if self.depth_controller is not None and req.last_emitted is not None:
-                self.depth_controller.record(depth, elapsed, req.last_emitted, req.regime)
+                self.depth_controller.record(depth, elapsed, req.last_emitted, regime)
             step += 1
         return req.results
 
@@ -293,10 +290,10 @@ class SpecDecoder:
         extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk) + 2
         return max(len(p) for p in req.prompts) + max(req.max_new) + extra
 
-    def _pick_depth(self, batch) -> int:
+    def _pick_depth(self, regime: str) -> int:
         if self.depth_controller is None:
             return self.num_steps
-        return self.depth_controller.choose(_regime(batch.sampling))
+        return self.depth_controller.choose(regime)
 
     def _prefill(self, req, plan, generators):
         device = self.target.device
@@ -310,12 +307,12 @@ class SpecDecoder:
         tcache.commit(lens)
         last = (lens - 1)[:, None, None]
         logits = out.logits.gather(1, last.expand(B, 1, out.logits.shape[-1]))[:, 0]   # [B, V]
-        sampling = req.sampling(device)
+        sampling = req.sampling
         batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host,
-                       [0] * B, [0] * B, generators, all_sampled=req.all_sampled())
+                       [0] * B, [0] * B, generators, all_sampled=req.all_sampled)
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        token = sample(logits, generator=batch.generator(), nan_policy="off", **sampling.kwargs())
+        token = sample(logits, generator=batch.generators, nan_policy="off", **sampling.kwargs())
         host = self._to_host(token[:, None], torch.ones_like(token), counts, None)
         if self.drafter is not None:
             batch.draft_cache = self.drafter.new_cache(B, max_len)
@@ -342,7 +339,7 @@ class SpecDecoder:
             logits = out.logits[:, 0]
             plan.apply(logits, step, "target_logits", batch.active)
             counts = self._nan_pass(logits, 1)
-            token = sample(logits, generator=batch.generator(), nan_policy="off", **batch.sampling.kwargs())
+            token = sample(logits, generator=batch.generators, nan_policy="off", **batch.sampling.kwargs())
             ones = torch.ones_like(token)
             host = self._to_host(token[:, None], ones, counts, None)
         with self.phase_timer("bookkeeping"):
@@ -405,7 +402,7 @@ class SpecDecoder:
         """
         s = batch.sampling
         if self.topk > 1 or s.all_greedy:
-            res = tree_verify(tree.tokens, tree.parents, logits, generator=batch.generator(), nan_policy="off",
+            res = tree_verify(tree.tokens, tree.parents, logits, generator=batch.generators, nan_policy="off",
                               max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
                               sibling_sampling="without_replacement", **s.kwargs())
             return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
@@ -418,7 +415,7 @@ class SpecDecoder:
             if not batch.all_sampled and self.draft_sampling != "sampled":
                 one_hot = torch.nn.functional.one_hot(drafts, V).to(q.dtype)
                 q = torch.where((s.temperature > 0)[:, None, None], q, one_hot)
-        out = chain_speculative_sampling(q, drafts, probs, generator=batch.generator(), nan_policy="off",
+        out = chain_speculative_sampling(q, drafts, probs, generator=batch.generators, nan_policy="off",
                                          backend="torch")
         nodes = torch.arange(1, N, device=logits.device)
         accepted = torch.where(nodes < out.num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
@@ -432,7 +429,7 @@ class SpecDecoder:
         everyone = self.draft_sampling == "sampled" or batch.all_sampled
         sampled = torch.ones_like(s.temperature, dtype=torch.bool) if everyone else s.temperature > 0
         temperature = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
-        return DraftSampling(sampled, temperature, s.top_k, s.top_p, batch.generator(), all_sampled=everyone)
+        return DraftSampling(sampled, temperature, s.top_k, s.top_p, batch.generators, all_sampled=everyone)
 
     def _catch_up(self, batch):
         """Feed the queued emitted tokens to the drafter; return its prediction after the root.
@@ -689,16 +686,16 @@ class _DepthStats:
 class _Requests:
     prompts: list[list[int]]
     max_new: list[int]
-    params: dict
+    sampling: SamplingParams   # on the target's device, validated once
+    all_sampled: bool          # host fact: every temperature is known to be > 0 (None means 1.0)
     stop_ids: list[frozenset]
     results: list[GenerationResult]
     warned: bool = False
     last_emitted: list[int] | None = None
-    regime: str = "greedy"
 
     @classmethod
     def build(cls, prompts, config, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-              request_ids) -> "_Requests":
+              request_ids, device) -> "_Requests":
         prompts = _check_prompts(prompts, config.vocab_size)
         B = len(prompts)
         max_new = [_check_max_new(m) for m in _per_request("max_new_tokens", max_new_tokens, B)]
@@ -707,21 +704,12 @@ class _Requests:
             if len(p) + m > limit:
                 raise ValueError(f"prompt_token_ids[{i}] has {len(p)} tokens; with max_new_tokens={m} that "
                                  f"exceeds the target's max_position_embeddings ({limit})")
-        params = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-        SamplingParams.build(B, **params)   # validate now, naming the argument and the request
-        req = cls(prompts, max_new, params, _stop_ids(stop_token_ids, B), [GenerationResult(r) for r in
-                                                                          _request_ids(request_ids, B)])
-        return req
-
-    def all_sampled(self) -> bool:
-        """True when every request's temperature is known on the host to be > 0 (None means 1.0)."""
-        temps = _per_request("temperature", self.params["temperature"], len(self.prompts))
-        return all(t is None or (isinstance(t, (int, float)) and t > 0) for t in temps)
-
-    def sampling(self, device) -> SamplingParams:
-        params = SamplingParams.build(len(self.prompts), **self.params, device=device)
-        self.regime = _regime(params)
-        return params
+        # Names the argument and the request on a bad value.
+        sampling = SamplingParams.build(B, temperature, top_k, top_p, device=device)
+        all_sampled = all(t is None or (isinstance(t, (int, float)) and t > 0)
+                          for t in _per_request("temperature", temperature, B))
+        return cls(prompts, max_new, sampling, all_sampled, _stop_ids(stop_token_ids, B),
+                   [GenerationResult(r) for r in _request_ids(request_ids, B)])
 
 
 def _check_prompts(prompts, vocab_size) -> list[list[int]]:

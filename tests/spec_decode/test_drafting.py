@@ -85,7 +85,7 @@ def _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, num_
             frontier_parent_row = base + torch.div(pick, k, rounding_mode="floor")
             if feedback is not None:
                 frontier_hidden = feedback.gather(1, frontier_parent_row[:, :, None].expand(B, k, feedback.shape[-1]))
-    return _select_tree(root, pool, num_draft_tokens, num_steps, None, None, drafter)
+    return _select_tree(root, pool, num_draft_tokens, num_steps, None, None, drafter, topk)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
