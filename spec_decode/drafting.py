@@ -269,6 +269,17 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     Drafter calls: ``num_steps - 1``, each over the newest ``topk`` frontier rows only.
     NaN: drafter logits are sanitized before ranking, so a NaN draft never yields a bad id.
     """
+    if topk == 1 and num_draft_tokens == num_steps + 1:
+        return _draft_chain(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, kv_len=kv_len,
+                            sampling=sampling)
+    return _draft_pool_tree(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, topk=topk,
+                            num_draft_tokens=num_draft_tokens, kv_len=kv_len, sampling=sampling)
+
+
+def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
+                     num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None,
+                     sampling: DraftSampling | None) -> DraftTree:
+    """``draft_tree`` for any shape: scored pool, ancestor sets, EAGLE-2 selection."""
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
     no_kept = lambda n: torch.zeros(B, n, dtype=torch.bool, device=device)
@@ -312,6 +323,38 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     # a node keeps at most this many children: k, or the largest per-depth budget if every row samples
     widest = min(k, max(budget)) if sampling is not None and sampling.all_sampled else k
     return _select_tree(root, pool, num_draft_tokens, num_steps, sampling, node_q, drafter, widest)
+
+
+def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
+                 num_steps: int, kv_len: int | None, sampling: DraftSampling | None) -> DraftTree:
+    """``draft_tree`` for a full chain (topk 1, num_steps + 1 nodes) without the pool: the same tree.
+
+    Each depth keeps the drafter's first choice (top-1, or the first draw from q), which is what the
+    general path keeps; skipping its scores, ancestor sets and final selection saves most of the
+    Python and small ops around the ``num_steps - 1`` drafter calls.
+    """
+    B, N, device = root.shape[0], num_steps + 1, root.device
+    chain, qs = [root[:, None]], []
+    logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
+    for depth in range(1, N):
+        exp = _Expansion(logits, 1, sampling)
+        chain.append(drafter.to_target_ids(exp.ids[:, :, 0]))                  # [B, 1]
+        qs.append(exp.q)
+        if depth == num_steps:
+            break
+        # the new node sits depth-1 after the committed rows and sees every spec row so far (its ancestors)
+        hidden, feature = drafter.draft_forward(
+            chain[-1], feature, cache, position_ids=cache.lengths[:, None] + (depth - 1),
+            tree_mask=torch.ones(B, 1, depth, dtype=torch.bool, device=device),
+            kv_len=None if kv_len is None else kv_len + depth)
+        logits = drafter.compute_logits(hidden)
+    draft_probs = None
+    if sampling is not None:   # q at node i drew node i + 1; the last node has no children
+        draft_probs = drafter.to_target_probs(torch.cat(qs + [torch.zeros_like(qs[0])], 1))
+    nodes = torch.arange(N, device=device)
+    return DraftTree(torch.cat(chain, 1), (nodes - 1).expand(B, N), nodes.expand(B, N),
+                     torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(B, N, N),
+                     max_depth=num_steps, draft_probs=draft_probs, max_children=1)
 
 
 def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, k: int) -> Tensor:

@@ -40,8 +40,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
-from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, logits_to_probs, sample,
-                      tree_verify)
+from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_verify,
+                      logits_to_probs, sample, tree_verify)
 from spec_decode.drafting import DraftSampling, Drafter, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
@@ -392,21 +392,27 @@ class SpecDecoder:
             return self._finish_step(batch, req, host, step)
 
     def _verify(self, tree, logits, batch) -> "_Verified":
-        """Verify the batch's trees: ``tree_verify``, or classic chain speculative sampling for chains.
+        """Verify the batch's trees: ``tree_verify``, or the chain verifiers for chains (``topk=1``).
 
-        A chain (``topk=1``) with sampled rows goes through ``chain_speculative_sampling``: the same
+        An all-greedy chain goes through ``greedy_verify`` (argmax match, no walk). A chain with
+        sampled rows goes through ``chain_speculative_sampling``: the same
         law as the tree walk's recursive rejection with one child per node, in far fewer ops. Greedy
         rows of a mixed batch get a one-hot q on their (top-1) draft, the deterministic-draft rule.
         Shape: logits [B, N, V] -> _Verified with output_token_ids [B, N], num_emitted [B],
         accepted_node_ids [B, N-1].
         """
         s = batch.sampling
-        if self.topk > 1 or s.all_greedy:
+        B, N, V = logits.shape
+        nodes = torch.arange(1, N, device=logits.device)
+        chain_path = lambda num_emitted: torch.where(nodes < num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
+        if self.topk == 1 and s.all_greedy:   # the tree is a chain: no walk needed
+            out = greedy_verify(tree.tokens[:, 1:], logits, nan_policy="off")
+            return _Verified(out.output_token_ids, out.num_emitted, chain_path(out.num_emitted))
+        if self.topk > 1:
             res = tree_verify(tree.tokens, tree.parents, logits, generator=batch.generators, nan_policy="off",
                               max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
                               sibling_sampling="without_replacement", **s.kwargs())
             return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
-        B, N, V = logits.shape
         probs = logits_to_probs(logits.reshape(B * N, V), nan_policy="off", **s.repeat(N).kwargs()).view(B, N, V)
         drafts = tree.tokens[:, 1:]
         q = tree.draft_probs
@@ -417,9 +423,7 @@ class SpecDecoder:
                 q = torch.where((s.temperature > 0)[:, None, None], q, one_hot)
         out = chain_speculative_sampling(q, drafts, probs, generator=batch.generators, nan_policy="off",
                                          backend="torch")
-        nodes = torch.arange(1, N, device=logits.device)
-        accepted = torch.where(nodes < out.num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
-        return _Verified(out.output_token_ids, out.num_emitted, accepted)
+        return _Verified(out.output_token_ids, out.num_emitted, chain_path(out.num_emitted))
 
     def _draft_sampling(self, batch) -> DraftSampling | None:
         """Which rows sample their drafts (None: every row drafts greedily)."""

@@ -166,3 +166,44 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
             if len(kids):
                 q = tree.draft_probs[r, node]
                 assert torch.allclose(q.sum(), torch.tensor(1.0)) and bool((q[kids] > 0).all())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("rows", ["greedy", "sampled", "mixed"])
+def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
+    """topk=1 skips the pool: same tokens, parents, depths, mask and q as the general path, same draws."""
+    from spec_decode.drafting import DraftSampling, _draft_pool_tree, draft_tree
+    from spec_decode.model import Transformer
+    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
+
+    target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)
+    drafter = {"eagle": lambda: make_tiny_eagle(target, seed=1),
+               "eagle3": lambda: make_tiny_eagle3(target, draft_vocab_size=61),
+               "draft_model": lambda: Transformer.from_pretrained(
+                   make_tiny_target(tmp_path, seed=5, name="d", num_hidden_layers=1), dtype=torch.float32)}[kind]()
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
+    sampled = {"greedy": None, "sampled": [True] * 3, "mixed": [True, False, True]}[rows]
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(3, 64), aux_layers=drafter.aux_layers)
+        cache = drafter.new_cache(3, 64)
+        hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
+        cache.commit(torch.tensor([6, 6, 6]))
+        args = (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
+                None if feedback is None else feedback[:, -1])
+
+        def sampling():
+            if sampled is None:
+                return None
+            gens = [torch.Generator().manual_seed(s) for s in range(3)]
+            return DraftSampling(torch.tensor(sampled), torch.tensor([0.7, 1.0, 1.3]), None, None, gens,
+                                 all_sampled=all(sampled))
+
+        fast = draft_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6, sampling=sampling())
+        ref = _draft_pool_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6, sampling=sampling())
+    for name in ("tokens", "parents", "depth", "tree_mask"):
+        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert (fast.max_depth, fast.max_children) == (ref.max_depth, ref.max_children)
+    assert (fast.draft_probs is None) == (ref.draft_probs is None)
+    if ref.draft_probs is not None:
+        assert torch.equal(fast.draft_probs, ref.draft_probs)
+    assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
