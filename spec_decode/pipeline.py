@@ -191,11 +191,18 @@ class SpecDecoder:
 
     ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
     (names in ``PHASES``); a no-op by default. ``spec-bench profile`` sets it.
+
+    ``compile=True`` compiles the target's and the drafter's forwards in place
+    (``nn.Module.compile(dynamic=True)``: one graph serves every batch size, block length and cache
+    length). On CPU it fuses the many small ops of these tiny models; the first ``generate`` pays
+    the compilation (tens of seconds to minutes). The NaN pass, sampling and verification stay
+    eager, so the NaN guarantees do not depend on the compiler; fused kernels may round differently
+    from eager ones (about 1e-6 in fp32), so compare greedy outputs with a compiled ``ar``.
     """
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
                  num_steps: int | str = 5, topk: int = 4, num_draft_tokens: int = 8, nan_policy=None,
-                 draft_sampling: str = "auto"):
+                 draft_sampling: str = "auto", compile: bool = False):
         _check_method(method, drafter)
         self.auto_depth = num_steps == "auto"
         max_steps = _auto_max_steps(num_draft_tokens) if self.auto_depth else num_steps
@@ -214,11 +221,17 @@ class SpecDecoder:
         self.last_stats = StepStats()
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        if compile:
+            for module in (target, drafter):
+                _compile_in_place(module)
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, *, method: str = "eagle",
                         dtype: torch.dtype = torch.bfloat16, device=None, num_steps: int | str = 5, topk: int = 4,
-                        num_draft_tokens: int = 8, nan_policy=None, draft_sampling: str = "auto") -> "SpecDecoder":
+                        num_draft_tokens: int = 8, nan_policy=None, draft_sampling: str = "auto",
+                        compile: bool = False) -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
         ``dtype`` is the verification (and drafting) dtype; ``nan_policy`` falls back to the env
@@ -234,7 +247,8 @@ class SpecDecoder:
             from spec_decode.eagle import load_drafter
             drafter = load_drafter(draft_path, target, method=method, dtype=dtype, device=device)
         return cls(target, drafter, method=method, num_steps=num_steps, topk=topk,
-                   num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling)
+                   num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
+                   compile=compile)
 
     # ------------------------------------------------------------------ public entry point
     @torch.inference_mode()
@@ -761,6 +775,12 @@ def _request_ids(request_ids, B) -> list[str]:
     if dup:
         raise ValueError(f"request_ids must be unique; repeated: {dup[:5]}")
     return ids
+
+
+def _compile_in_place(module) -> None:
+    """``module.compile(dynamic=True)`` once (a module shared by several decoders is compiled once)."""
+    if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is None:
+        module.compile(dynamic=True)
 
 
 def _request_generators(seed, B, device) -> list[torch.Generator] | None:

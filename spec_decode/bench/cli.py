@@ -69,7 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nan-rounds", type=int, default=3,
                    help="rounds of the off/sanitize/abort/guard comparison (0 = skip)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_compile_arg(p)
     return p
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile our models (ar included), compiled during the warm-up calls")
 
 
 def resolve_device(name: str):
@@ -99,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), dtypes=tuple(dtypes),
         batch_size=args.batch_size, seed=args.seed, threads=args.threads, device=str(device),
-        nan_rounds=args.nan_rounds, progress=not args.no_progress)
+        nan_rounds=args.nan_rounds, progress=not args.no_progress, compile=args.compile)
 
 
 @contextlib.contextmanager

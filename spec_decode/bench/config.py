@@ -123,6 +123,7 @@ class BenchConfig:
     device: str = "cpu"
     nan_rounds: int = 3
     progress: bool = True
+    compile: bool = False   # SpecDecoder(compile=True) for every method of ours, ar included
     skipped: dict = field(default_factory=dict)   # method key -> reason, filled by ``resolve_methods``
 
     def __post_init__(self) -> None:

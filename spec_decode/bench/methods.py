@@ -146,7 +146,7 @@ class ModelCache:
         drafter = self.get(spec.drafter) if spec.drafter else None
         tree = {} if drafter is None else dict(num_steps=spec.num_steps, topk=spec.topk,
                                                num_draft_tokens=spec.num_draft_tokens)
-        dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, **tree)
+        dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)
         return OursRunner(spec, dec, (target, drafter))
 
 

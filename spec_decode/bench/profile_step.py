@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.cli import add_input_args, input_paths, resolve_device
+from spec_decode.bench.cli import add_compile_arg, add_input_args, input_paths, resolve_device
 from spec_decode.bench.config import METHOD_SPECS, BenchConfig, BenchInputError, default_dtype_name, load_prompts
 from spec_decode.bench.machine import sync, torch_threads
 
@@ -228,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print the top N functions by own time, from a separate cProfile pass")
     p.add_argument("--json", type=Path, default=None, help="also write the split to this JSON file")
+    add_compile_arg(p)
     return p
 
 
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = args.dtype or default_dtype_name(device.type)
         cfg = BenchConfig(**input_paths(args), methods=("ar", args.method), num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), dtypes=(dtype,),
-                          threads=args.threads, device=str(device), nan_rounds=0)
+                          threads=args.threads, device=str(device), nan_rounds=0, compile=args.compile)
         if cfg.resolve_methods() != ("ar", args.method):
             raise BenchInputError(f"--method {args.method}: {cfg.skipped[args.method]}")
         vocab = check_inputs(cfg, ("ar", args.method))
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch_threads(cfg.threads):
         split = profile_split(runner.decoder, ar.decoder, runner.modules[1], prompts, args.max_new_tokens,
                               phases=pipeline.PHASES, temperature=args.temperature, seed=cfg.seed, device=device)
-        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {dtype}, "
+        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {dtype}"
+                 f"{', compiled' if cfg.compile else ''}, "
                  f"temperature {args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                  f"{torch.get_num_threads()} thread(s)")
         print(format_split(title, split))
