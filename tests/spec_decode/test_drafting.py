@@ -88,11 +88,8 @@ def _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, num_
     return _select_tree(root, pool, num_draft_tokens, num_steps, None, None, drafter, topk)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
-@pytest.mark.parametrize("shape", [(5, 4, 8), (4, 3, 20), (4, 1, 5)], ids=["5-4-8", "4-3-20", "chain4"])
-def test_incremental_drafting_builds_the_same_trees_as_a_full_recompute(tmp_path, kind, shape):
-    """Caching the spec rows' K/V and feeding one depth per call changes the cost, not the tree."""
-    from spec_decode.drafting import draft_tree
+def _target_and_drafter(tmp_path, kind: str):
+    """A tiny fp32 target and a drafter of ``kind`` (eagle, eagle3 or draft_model) for it."""
     from spec_decode.model import Transformer
     from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
@@ -101,6 +98,15 @@ def test_incremental_drafting_builds_the_same_trees_as_a_full_recompute(tmp_path
                "eagle3": lambda: make_tiny_eagle3(target, draft_vocab_size=61),
                "draft_model": lambda: Transformer.from_pretrained(
                    make_tiny_target(tmp_path, seed=5, name="d", num_hidden_layers=1), dtype=torch.float32)}[kind]()
+    return target, drafter
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("shape", [(5, 4, 8), (4, 3, 20), (4, 1, 5)], ids=["5-4-8", "4-3-20", "chain4"])
+def test_incremental_drafting_builds_the_same_trees_as_a_full_recompute(tmp_path, kind, shape):
+    """Caching the spec rows' K/V and feeding one depth per call changes the cost, not the tree."""
+    from spec_decode.drafting import draft_tree
+    target, drafter = _target_and_drafter(tmp_path, kind)
     prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46]])
     with torch.no_grad():
         out = target(prompts, target.new_cache(2, 64), aux_layers=drafter.aux_layers)
@@ -173,14 +179,7 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
 def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
     """topk=1 skips the pool: same tokens, parents, depths, mask and q as the general path, same draws."""
     from spec_decode.drafting import DraftSampling, _draft_pool_tree, draft_tree
-    from spec_decode.model import Transformer
-    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
-
-    target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)
-    drafter = {"eagle": lambda: make_tiny_eagle(target, seed=1),
-               "eagle3": lambda: make_tiny_eagle3(target, draft_vocab_size=61),
-               "draft_model": lambda: Transformer.from_pretrained(
-                   make_tiny_target(tmp_path, seed=5, name="d", num_hidden_layers=1), dtype=torch.float32)}[kind]()
+    target, drafter = _target_and_drafter(tmp_path, kind)
     prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
     sampled = {"greedy": None, "sampled": [True] * 3, "mixed": [True, False, True]}[rows]
     with torch.no_grad():
