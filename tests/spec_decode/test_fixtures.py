@@ -305,3 +305,76 @@ def test_plugin_missing_fixtures_skip_naming_the_path(plugin_run, tmp_path):
     result = plugin_run("-rs", "-k", "test_paths", fixtures_dir=missing)
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines([f"*tiny target not found at {missing}*"])
+
+
+# ------------------------------------------------------------------ the build: resumable training, the goal table
+
+
+def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_path, monkeypatch):
+    """Stopping mid-run and rerunning replays the uninterrupted run bit for bit (schedule, data, optimizer)."""
+    model = lambda: torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
+    cfg = dict(steps=7, lr=1e-2, warmup=2, eval_every=3)
+
+    class StopAfter:
+        def __init__(self, n):
+            self.calls, self.n = 0, n
+
+        def must_stop(self):
+            self.calls += 1
+            return self.calls >= self.n
+
+    def run(stage, stop_after):
+        torch.manual_seed(0)
+        net = model()
+        opt = torch.optim.AdamW(net.parameters(), lr=cfg["lr"])
+        gen = torch.Generator().manual_seed(1)
+
+        def step_fn(step):
+            x = torch.randint(0, 50, (4, 5), generator=gen)
+            loss = torch.nn.functional.cross_entropy(net(x[:, :-1]).reshape(-1, 50), x[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return {"loss": loss.detach()}
+
+        monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(stop_after))
+        state = make_fixtures.train_resumable(stage, net, opt, gen, cfg, step_fn,
+                                              eval_fn=lambda: {"w": round(float(net[1].weight.detach().sum()), 6)})
+        return net, state
+
+    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
+    whole, whole_state = run("whole", 10**9)
+    with pytest.raises(make_fixtures.Interrupted):
+        run("split", 4)
+    assert (tmp_path / "split.pt").exists()
+    resumed, state = run("split", 10**9)
+    assert state["runs"] == 2 and state["step"] == 7
+    assert state["hist"]["loss"] == whole_state["hist"]["loss"]
+    assert state["eval"] == whole_state["eval"]
+    for a, b in zip(resumed.parameters(), whole.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_goal_table_marks_each_goal():
+    """measure_fixtures: a goal is met exactly when its figure is on the right side of the bar."""
+    spec = importlib.util.spec_from_file_location("measure_fixtures", BUILD_SCRIPT.parent / "measure_fixtures.py")
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    good = {"shapes": {s: {"eagle": 3.0, "eagle3": 3.1} for s in measure.SHAPES},
+            "eagle_step1_greedy_agreement": 0.8, "eagle3_step1_greedy_agreement": 0.85,
+            "eagle_step1_sampled_acceptance": 0.81, "eagle3_step1_sampled_acceptance": 0.8,
+            "bench_order_t0": {"eagle3_tree": 3.6, "eagle_tree": 3.5, "eagle_chain": 3.4, "draft_chain": 2.4},
+            "target_val_loss": 3.1, "distinct_4grams": 0.5}
+    good["shapes"]["tree 5/4/8"]["eagle"] = 3.5
+    good["shapes"]["tree 5/4/8"]["eagle3"] = 3.6
+    assert all(row["met"] for row in measure.goal_rows(good))
+    bad = json.loads(json.dumps(good))
+    bad["shapes"]["tree 8/8/64"]["eagle3"] = 3.0            # a tie is not "above"
+    bad["eagle_step1_greedy_agreement"] = 0.799
+    bad["eagle_step1_sampled_acceptance"] = 0.7
+    bad["shapes"]["tree 5/4/8"]["eagle"] = 3.49
+    bad["target_val_loss"] = 3.11
+    bad["bench_order_t0"]["draft_chain"] = 3.41
+    assert not any(row["met"] for row in measure.goal_rows(bad))
+    assert "| no |" in measure.markdown_table({"goals": measure.goal_rows(bad)})
