@@ -290,12 +290,15 @@ class SpecDecoder:
             else:
                 regime = _regime(batch.sampling)
                 depth = self._pick_depth(regime)
+                # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
+                # makes this step's time unrepresentative of its depth
+                steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
                 batch = self._spec_step(batch, req, plan, step, depth)
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)
             if self.depth_controller is not None and req.last_emitted is not None:
-                self.depth_controller.record(depth, elapsed, req.last_emitted, regime)
+                self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results
 
@@ -651,11 +654,18 @@ class DepthController:
             return best + 1
         return best
 
-    def record(self, depth: int, seconds: float, emitted: list[int], regime: str) -> None:
-        """One step's outcome: its depth, wall time, and tokens emitted per request."""
+    def record(self, depth: int, seconds: float | None, emitted: list[int], regime: str) -> None:
+        """One step's outcome: its depth, wall time, and tokens emitted per request.
+
+        ``seconds=None``: acceptance only. The decoder passes it for a step whose drafter catch-up
+        fed more tokens than one step can emit (the first step after the prefill, or after a run of
+        plain steps): such a step costs more than its depth does in steady state, and recording it
+        would keep the controller away from that depth (and, after plain steps, from drafting).
+        """
         st = self._state(regime)
         old = st.time[depth]
-        st.time[depth] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        if seconds is not None:
+            st.time[depth] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
         if depth == 0:
             return
         for n in emitted:
@@ -777,9 +787,19 @@ def _request_ids(request_ids, B) -> list[str]:
     return ids
 
 
+COMPILE_RECOMPILE_LIMIT = 64
+"""Graphs torch.compile may keep per code object under ``compile=True`` (torch's default is 8). Every
+``Transformer`` shares one ``forward`` code object, and each call pattern (prefill, tree verify,
+plain step, drafter rows, EAGLE-3 aux layers) is a graph per model; past the limit dynamo falls
+back to eager and still checks every cached guard on each call."""
+
+
 def _compile_in_place(module) -> None:
     """``module.compile(dynamic=True)`` once (a module shared by several decoders is compiled once)."""
     if isinstance(module, torch.nn.Module) and getattr(module, "_compiled_call_impl", None) is None:
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, COMPILE_RECOMPILE_LIMIT)
         module.compile(dynamic=True)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from spec_decode.fixtures import find_fixtures_dir
@@ -53,8 +53,9 @@ METHOD_SPECS = {
     "draft_chain": MethodSpec("draft_chain", "ours", "draft_model", "draft_lm", 4, 1, 5),
     "eagle_chain": MethodSpec("eagle_chain", "ours", "eagle", "eagle", 4, 1, 5),
     "eagle_tree": _EAGLE_TREE,
-    # eagle_tree's shape, its depth chosen per step by the decoder (SpecDecoder(num_steps="auto"))
-    "eagle_auto": replace(_EAGLE_TREE, key="eagle_auto", num_steps="auto"),
+    # a chain up to depth 6 (the CPU winner's form), its depth chosen per step by the decoder
+    # (SpecDecoder(num_steps="auto")), down to a plain target step
+    "eagle_auto": MethodSpec("eagle_auto", "ours", "eagle", "eagle", "auto", 1, 7),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8),
 }
 

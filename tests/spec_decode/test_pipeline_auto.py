@@ -114,3 +114,44 @@ def test_controller_probes_less_often_while_the_choice_holds():
         picks.append(d)
     probes = sum(1 for d in picks if d)
     assert 3 <= probes <= 7   # 16, 32, 64, 128, 128 ... steps apart: not one probe every 16 steps (25)
+
+
+def test_controller_keeps_acceptance_but_not_the_time_of_an_unrepresentative_step():
+    ctl = DepthController(4)
+    assert ctl.choose("greedy") == 4
+    ctl.record(4, None, [5], "greedy")      # the prompt's catch-up: its time says nothing about depth 4
+    assert ctl.choose("greedy") == 4        # so depth 4 runs (and is timed) again
+    ctl.record(4, 1.8, [5], "greedy")
+    assert ctl.choose("greedy") == 0
+    ctl.record(0, 1.0, [1], "greedy")
+    st = ctl._stats["greedy"]
+    times, tries = list(st.time), list(st.tries)
+    ctl.record(4, None, [1], "greedy")      # untimed: its rejection at level 1 still counts
+    assert st.time == times and st.tries[1] == tries[1] + 1 and st.passes[1] == 2
+    ctl.record(4, 99.0, [1], "greedy")      # timed: the estimate moves
+    assert st.time[4] > times[4]
+
+
+class Recorder(Scripted):
+    """Scripted depths; keeps what the decoder records."""
+
+    def __init__(self, depths):
+        super().__init__(depths)
+        self.records = []
+
+    def record(self, depth, seconds, emitted, regime):
+        self.records.append((depth, seconds))
+
+
+def test_decoder_does_not_time_steps_that_catch_up_a_backlog(models):
+    """The first step (the prompt's catch-up) and the first after plain steps get seconds=None."""
+    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+                      num_draft_tokens=3)
+    dec.depth_controller = Recorder([2, 2, 0, 0, 0, 2, 2])
+    dec.generate([PROMPTS[0]], max_new_tokens=12)
+    recs = dec.depth_controller.records
+    untimed = [i for i, (_, seconds) in enumerate(recs) if seconds is None]
+    assert untimed[0] == 0                                  # the prompt's catch-up
+    assert all(recs[i][0] == 2 for i in untimed)            # plain steps are always timed
+    assert all(recs[i - 1][0] == 0 for i in untimed[1:])    # later ones follow plain steps
+    assert any(d == 2 and s is not None for d, s in recs)

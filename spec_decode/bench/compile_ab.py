@@ -1,0 +1,83 @@
+"""``spec-bench compile``: eager against ``SpecDecoder(compile=True)``, side by side in one run.
+
+Two copies of the target and the EAGLE head, one compiled in place; ``ar`` and ``eagle_chain`` (4/1/5)
+on each, greedy, prompts interleaved (every decoder runs prompt i before any runs prompt i+1), after
+one warm-up call each (which pays the compilation). Prints tokens/s, the ratios to eager ``ar``, and
+whether the greedy outputs agree (speculative against ``ar`` of the same kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from spec_decode.bench.cli import add_input_args
+from spec_decode.bench.config import METHOD_SPECS, load_prompts
+from spec_decode.bench.machine import torch_threads
+from spec_decode.dtypes import torch_dtype
+
+
+def decoders(target_path, eagle_path, dtype, compile: bool) -> dict:
+    """``ar`` and ``eagle_chain`` over their own copy of the models. Returns {name: SpecDecoder}."""
+    from spec_decode import SpecDecoder
+    from spec_decode.eagle import load_drafter
+    from spec_decode.model import Transformer
+
+    target = Transformer.from_pretrained(target_path, dtype=dtype)
+    head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)
+    chain = METHOD_SPECS["eagle_chain"]
+    tag = "compiled" if compile else "eager"
+    return {f"ar {tag}": SpecDecoder(target, None, method="none", compile=compile),
+            f"eagle_chain {tag}": SpecDecoder(target, head, method="eagle", num_steps=chain.num_steps, topk=chain.topk,
+                                              num_draft_tokens=chain.num_draft_tokens, compile=compile)}
+
+
+def measure(decs: dict, prompts, warm, max_new_tokens: int) -> tuple[dict, dict]:
+    """Interleaved greedy calls. Returns ({name: seconds}, {name: outputs})."""
+    for dec in decs.values():
+        dec.generate([warm], max_new_tokens=max_new_tokens)
+    seconds, outputs = dict.fromkeys(decs, 0.0), {k: [] for k in decs}
+    for prompt in prompts:
+        for name, dec in decs.items():
+            t0 = time.perf_counter()
+            outputs[name] += [r.token_ids for r in dec.generate([prompt], max_new_tokens=max_new_tokens)]
+            seconds[name] += time.perf_counter() - t0
+    return seconds, outputs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec-bench compile", description=__doc__.split("\n\n")[0])
+    add_input_args(p)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1:
+        p.error("--num-prompts and --max-new-tokens must be >= 1")
+    try:
+        dtype = torch_dtype(args.dtype)
+    except ValueError as e:
+        p.error(f"--dtype: {e}")
+    with torch_threads(args.threads):
+        decs = {**decoders(args.target, args.eagle, dtype, False), **decoders(args.target, args.eagle, dtype, True)}
+        prompts = load_prompts(args.prompts, args.num_prompts, decs["ar eager"].target.config.vocab_size)
+        seconds, outputs = measure(decs, prompts[:args.num_prompts], prompts[-1], args.max_new_tokens)
+    tokens = args.num_prompts * args.max_new_tokens
+    base = tokens / seconds["ar eager"]
+    print(f"{args.dtype}, {args.num_prompts} prompts x {args.max_new_tokens} tokens, greedy, "
+          f"{args.threads} thread(s), torch {torch.__version__}")
+    for name, s in seconds.items():
+        print(f"  {name:22s} {tokens / s:7.1f} tokens/s  {tokens / s / base:5.2f}x eager ar")
+    print(f"  compiled over eager: ar {seconds['ar eager'] / seconds['ar compiled']:.2f}x, "
+          f"eagle_chain {seconds['eagle_chain eager'] / seconds['eagle_chain compiled']:.2f}x")
+    print(f"  greedy eagle_chain == ar: eager {outputs['eagle_chain eager'] == outputs['ar eager']}, "
+          f"compiled {outputs['eagle_chain compiled'] == outputs['ar compiled']}")
+    return 0
