@@ -627,7 +627,9 @@ class DepthController:
     (acceptance data for every level), the second a plain step (its time); depths not yet run take
     their time by linear interpolation between measured ones. Then the depth just above the current
     choice runs once every ``probe_every`` steps; the interval doubles (up to 8x) while probes leave
-    the choice unchanged and resets when it changes, so a settled choice costs few probes.
+    the choice unchanged and resets when it changes, so a settled choice costs few probes. A step
+    whose time the decoder marks unrepresentative (``seconds=None``: it caught up a backlog) runs
+    again at the same depth right after, so that a probe after plain steps still gets timed.
     Statistics persist across ``generate`` calls.
     """
 
@@ -645,6 +647,9 @@ class DepthController:
             return self.max_depth
         if st.time[0] is None:
             return 0
+        if st.retime is not None:   # the last step at this depth was not timed: time it now
+            depth, st.retime = st.retime, None
+            return depth
         best = st.best()
         if best != st.last_best:
             st.last_best, st.interval, st.next_probe = best, self.probe_every, st.steps + self.probe_every
@@ -666,6 +671,8 @@ class DepthController:
         old = st.time[depth]
         if seconds is not None:
             st.time[depth] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        elif depth > 0:
+            st.retime = depth   # run it once more, now without the backlog, so that probes count
         if depth == 0:
             return
         for n in emitted:
@@ -681,6 +688,7 @@ class _DepthStats:
     def __init__(self, max_depth: int, probe_every: int):
         self.max_depth = max_depth
         self.last_best, self.interval, self.next_probe = -1, probe_every, 0
+        self.retime: int | None = None   # a depth whose last step was not timed
         self.time: list[float | None] = [None] * (max_depth + 1)
         self.tries = [0] * (max_depth + 1)
         self.passes = [0] * (max_depth + 1)

@@ -128,8 +128,11 @@ def test_controller_keeps_acceptance_but_not_the_time_of_an_unrepresentative_ste
     times, tries = list(st.time), list(st.tries)
     ctl.record(4, None, [1], "greedy")      # untimed: its rejection at level 1 still counts
     assert st.time == times and st.tries[1] == tries[1] + 1 and st.passes[1] == 2
+    assert ctl.choose("greedy") == 4        # and the same depth runs again, to be timed
     ctl.record(4, 99.0, [1], "greedy")      # timed: the estimate moves
     assert st.time[4] > times[4]
+    ctl.record(0, None, [1], "greedy")      # plain steps are never re-run for timing
+    assert st.retime is None
 
 
 class Recorder(Scripted):
