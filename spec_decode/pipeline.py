@@ -284,16 +284,12 @@ class SpecDecoder:
         step = 1
         while batch is not None:
             t0 = time.perf_counter()
-            if self.method == "none":
-                depth = 0
-                batch = self._plain_step(batch, req, plan, step)
-            else:
-                regime = _regime(batch.sampling)
-                depth = self._pick_depth(regime)
-                # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
-                # makes this step's time unrepresentative of its depth
-                steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
-                batch = self._spec_step(batch, req, plan, step, depth)
+            regime = _regime(batch.sampling)
+            depth = 0 if self.method == "none" else self._pick_depth(regime)
+            # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
+            # makes this step's time unrepresentative of its depth
+            steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
+            batch = self._spec_step(batch, req, plan, step, depth)   # depth 0: a plain step
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)

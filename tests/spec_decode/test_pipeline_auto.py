@@ -64,6 +64,14 @@ def test_auto_is_lossless_and_reports_its_mode(models, ar):
     assert set(dec.last_stats.depths) <= set(range(6))
 
 
+def test_auto_without_a_drafter_decodes_plainly(models, ar):
+    """method="none" ignores num_steps="auto": every step is a plain step (it used to crash)."""
+    dec = SpecDecoder(models["target"], None, method="none", num_steps="auto", num_draft_tokens=4)
+    out = dec.generate(PROMPTS, max_new_tokens=24)
+    assert [r.token_ids for r in out] == ar
+    assert set(dec.last_stats.depths) == {0}
+
+
 def _controller_after(acceptance, step_time, max_depth=4, steps=40):
     """Feed a controller synthetic steps: ``acceptance`` drafts accepted (capped by depth), fixed times."""
     ctl = DepthController(max_depth)
