@@ -212,9 +212,8 @@ class _DraftHead(RopeFrequencies, nn.Module):
         if cache.num_layers != self.num_cache_layers():
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
         emb = self.embed_tokens(input_ids).to(self.dtype)  # (B, T, H)
-        blk = prepare_block(self.inv_freq(), cache, T, self.dtype, position_ids, tree_mask, input_lens, kv_len)
-        c = self.config
-        return emb, hidden.to(self.dtype), LayerInputs.of_block(blk, c.num_attention_heads // c.num_key_value_heads)
+        li = prepare_block(self, cache, T, self.dtype, position_ids, tree_mask, input_lens, kv_len)
+        return emb, hidden.to(self.dtype), li
 
     def to_hf_config(self) -> dict:
         cfg = self.config.to_hf_dict()

@@ -222,9 +222,10 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 class RopeFrequencies:
-    """Mixin for modules with ``config`` and ``device``: ``inv_freq()`` computed once per device.
+    """Mixin for modules with ``config`` and ``device``: ``inv_freq()`` computed once per device, and
+    ``rope_table()``, the cos/sin of every position, computed once per device and dtype (grown on demand).
 
-    The frequencies stay float32 and out of the state dict, so dtype casts and checkpoints never touch them.
+    Both stay out of the state dict, so dtype casts and checkpoints never touch them.
     """
 
     def inv_freq(self) -> Tensor:
@@ -235,9 +236,26 @@ class RopeFrequencies:
             by_device[dev] = rope_inv_freq(self.config, dev)
         return by_device[dev]
 
+    def rope_table(self, num_positions: int, dtype: torch.dtype) -> Tensor:
+        """cos and sin of positions ``0 .. P-1`` (``rope_cos_sin``'s values), P >= ``num_positions``.
+
+        A forward looks its positions up in it (one op) instead of computing them (about ten). Grown
+        to the next power of two >= 256 when a longer cache needs more positions.
+        Shape: returns [P, 2 * head_dim] in ``dtype``: cos in the first half of a row, sin in the second.
+        """
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        key = (self.device, dtype)
+        table = tables.get(key)
+        if table is None or table.shape[0] < num_positions:
+            size = max(256, 1 << (num_positions - 1).bit_length())
+            cos, sin = rope_cos_sin(self.inv_freq(), torch.arange(size, device=self.device)[None], dtype)
+            table = tables[key] = torch.cat((cos[0, 0], sin[0, 0]), dim=-1)
+        return table
+
     def clear_inv_freq(self) -> None:
-        """Forget the computed frequencies (after changing the config's rope fields)."""
+        """Forget the computed frequencies and tables (after changing the config's rope fields)."""
         self.__dict__.pop("_inv_freq_by_device", None)
+        self.__dict__.pop("_rope_tables", None)
 
 
 def rope_cos_sin(inv_freq: Tensor, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -302,11 +320,19 @@ class KVCache:
 
     def write(self, layer: int, write_pos: Tensor, k: Tensor, v: Tensor) -> None:
         """Write new rows ``k``/``v`` [B, n_kv, T, D] of ``layer`` at positions ``write_pos`` [B, T]."""
-        idx = write_pos[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.write_rows(layer, self.row_index(write_pos), k, v)
+
+    def row_index(self, write_pos: Tensor) -> Tensor:
+        """``write_pos`` [B, T] laid out for ``write_rows``: [B, n_kv, T, D] (an expanded view, no copy)."""
+        B, T = write_pos.shape
+        return write_pos[:, None, :, None].expand(B, self.k.shape[2], T, self.k.shape[4])
+
+    def write_rows(self, layer: int, row_index: Tensor, k: Tensor, v: Tensor) -> None:
+        """``write`` with the index from ``row_index``, built once per forward rather than once per layer."""
         if k.dtype != self.k.dtype:
             k, v = k.to(self.k.dtype), v.to(self.v.dtype)
-        self.k[layer].scatter_(2, idx, k)
-        self.v[layer].scatter_(2, idx, v)
+        self.k[layer].scatter_(2, row_index, k)
+        self.v[layer].scatter_(2, row_index, v)
 
     def commit(self, num: Tensor, rel_idx: Tensor | None = None) -> None:
         """Keep ``num[b]`` rows of the last new block and advance ``lengths`` by ``num``.
@@ -376,7 +402,7 @@ def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> Non
 
 
 def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: Tensor | None = None,
-                         input_lens: Tensor | None = None) -> Tensor:
+                         input_lens: Tensor | None = None, n_rep: int = 1) -> Tensor:
     """Boolean attention mask for a new block of ``num_new`` tokens written after the committed rows.
 
     The uncommitted region of request ``b`` starts at ``lengths[b]`` and holds ``S`` rows
@@ -387,28 +413,35 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     a key inside the new block, ``j - (S - num_new) < input_lens[b]``. The token's own row is always
     visible, so no softmax row is empty (padded rows stay finite).
 
+    ``n_rep``: the query heads that share one kv head are folded into the query axis (grouped-query
+    attention without copying the cache): row ``r * T + t`` is token ``t`` of the r-th of them.
+
+    Built on the small [B, T, S] span and spread over the ``kv_len`` keys with one gather: a forward
+    pays a dozen small ops for it, which matters for a one-layer drafter.
+
     Shape:
         lengths: [B] int64; tree_mask: [B, T, S] bool (S >= T) or None; input_lens: [B] or None
-        returns: [B, 1, T, kv_len] bool
+        returns: [B, 1, n_rep * T, kv_len] bool
     """
     device = lengths.device
+    B = lengths.shape[0]
     span = num_new if tree_mask is None else tree_mask.shape[-1]
     past = span - num_new  # uncommitted rows written before this block
-    pos = torch.arange(kv_len, device=device)
-    t_idx = torch.arange(num_new, device=device)
-    rel = pos[None, :] - lengths[:, None]  # (B, S): offset of key s inside the uncommitted region
-    committed = rel < 0
-    in_span = (rel >= 0) & (rel < span)
+    j = torch.arange(span, device=device)
+    own = j == torch.arange(past, span, device=device)[:, None]  # (T, S): each token's own row
     if tree_mask is None:
-        block_vis = rel[:, None, :] <= t_idx[None, :, None]  # (B, T, S)
+        vis = j <= torch.arange(num_new, device=device)[:, None]  # causal (T, S), own row included
     else:
-        gather_idx = rel.clamp(0, span - 1)[:, None, :].expand(-1, num_new, -1)
-        block_vis = tree_mask.gather(2, gather_idx)  # (B, T, S)
+        vis = tree_mask | own
     if input_lens is not None:
-        block_vis = block_vis & (rel - past < input_lens[:, None].to(rel.dtype))[:, None, :]
-    mask = committed[:, None, :] | (in_span[:, None, :] & block_vis)
-    mask = mask | (rel[:, None, :] == past + t_idx[None, :, None])
-    return mask[:, None]
+        vis = (vis & (j - past < input_lens[:, None, None].to(j.dtype))) | own
+    vis = vis.expand(B, num_new, span)
+    if n_rep > 1:   # expand + reshape: one copy (``repeat`` costs ~30 us of small ops on CPU)
+        vis = vis[:, None].expand(B, n_rep, num_new, span).reshape(B, n_rep * num_new, span)
+    # column 0 stands for every committed key (visible), 1..S for the span, S + 1 for the keys after it
+    ext = F.pad(F.pad(vis, (1, 0), value=True), (0, 1), value=False)  # (B, R, S + 2)
+    col = (torch.arange(1, kv_len + 1, device=device) - lengths[:, None]).clamp_(0, span + 1)  # (B, kv_len)
+    return ext.gather(2, col[:, None, :].expand(B, ext.shape[1], kv_len))[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -464,11 +497,13 @@ def _keep_published_keys(module: nn.Module, fused: str, parts: tuple[tuple[str, 
 
 @dataclass
 class LayerInputs:
-    """What every decoder layer of one forward reads, in the layers' layout; built once per forward.
+    """What every decoder layer of one forward reads, in the layers' layout; built once per forward
+    by ``prepare_block``.
 
     Shape:
         cos, sin: [B, T, 1, D] (heads after tokens, as the fused q/k/v projection lays them out)
         write_pos: [B, T] int64
+        row_index: [B, n_kv, T, D] int64, ``write_pos`` laid out for ``KVCache.write_rows``
         mask: [B, 1, n_rep * T, S] bool: the n_rep query heads that share a kv head folded into the query axis
         bias: [B, 1, n_rep * T, S] in the model dtype: 0 where ``mask``, -inf elsewhere. SDPA gives the same
             bits with it as with ``mask`` but converts a bool mask again in every layer.
@@ -477,18 +512,9 @@ class LayerInputs:
     cos: Tensor
     sin: Tensor
     write_pos: Tensor
+    row_index: Tensor
     mask: Tensor
     bias: Tensor
-
-    @classmethod
-    def of_block(cls, blk: "BlockInputs", n_rep: int) -> "LayerInputs":
-        """Lay out ``blk`` for the layers: one transpose and one GQA mask expansion per forward, not per layer."""
-        mask = blk.mask
-        if n_rep > 1:
-            B, _, T, S = mask.shape
-            mask = mask[:, :, None].expand(B, 1, n_rep, T, S).reshape(B, 1, n_rep * T, S)
-        bias = torch.zeros(mask.shape, dtype=blk.cos.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-        return cls(blk.cos.transpose(1, 2), blk.sin.transpose(1, 2), blk.write_pos, mask, bias)
 
 
 class Attention(nn.Module):
@@ -523,7 +549,7 @@ class Attention(nn.Module):
         qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
         q, k = apply_rope(qk, li.cos, li.sin).split((nh, nkv), dim=2)  # rope on q and k in one pass
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, D)
-        cache.write(layer, li.write_pos, k, v)
+        cache.write_rows(layer, li.row_index, k, v)
         mask = li.mask  # (B, 1, n_rep*T, S)
         S = mask.shape[-1]
         keys, values = cache.k[layer][:, :, :S], cache.v[layer][:, :, :S]  # (B, nkv, S, D)
@@ -576,16 +602,6 @@ class DecoderLayer(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------- inputs
-@dataclass
-class BlockInputs:
-    """Per-forward tensors shared by all layers: rope tables, cache write positions, attention mask."""
-
-    cos: Tensor  # [B, 1, T, D]
-    sin: Tensor  # [B, 1, T, D]
-    write_pos: Tensor  # [B, T] int64
-    mask: Tensor  # [B, 1, T, S] bool
-
-
 def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | None, tree_mask: Tensor | None,
                      input_lens: Tensor | None, kv_len: int | None, device: torch.device) -> None:
     """Shape/dtype/device checks for a forward over a new block (host-side metadata only, no sync)."""
@@ -614,20 +630,33 @@ def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | N
         raise ValueError(f"new block of {span} rows does not fit cache.max_len={cache.max_len}")
 
 
-def prepare_block(inv_freq: Tensor, cache: KVCache, num_new: int, dtype: torch.dtype, position_ids: Tensor | None,
-                  tree_mask: Tensor | None, input_lens: Tensor | None, kv_len: int | None) -> BlockInputs:
-    """Rope tables, write positions and mask for a new block of ``num_new`` tokens (no host sync).
+def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: torch.dtype,
+                  position_ids: Tensor | None, tree_mask: Tensor | None, input_lens: Tensor | None,
+                  kv_len: int | None) -> LayerInputs:
+    """Rope tables, write positions and mask of a new block of ``num_new`` tokens (no host sync).
 
-    With a tree mask [B, T, S] the block is written at the last T of the S uncommitted rows.
+    ``module`` is the model or head that runs the block (its config gives the grouped-query layout and
+    its ``rope_table`` the cos/sin). With a tree mask [B, T, S] the block is written at the last T of
+    the S uncommitted rows. Positions must lie in ``[0, cache.max_len)``, as every write position does.
     """
     lengths = cache.lengths
     past = 0 if tree_mask is None else tree_mask.shape[-1] - num_new
-    write_pos = lengths[:, None] + (past + torch.arange(num_new, device=lengths.device))  # (B, T)
+    write_pos = lengths[:, None] + torch.arange(past, past + num_new, device=lengths.device)  # (B, T)
     if position_ids is None:
         position_ids = write_pos
-    cos, sin = rope_cos_sin(inv_freq, position_ids.to(lengths.device), dtype)
-    mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens)
-    return BlockInputs(cos, sin, write_pos, mask)
+    table = module.rope_table(cache.max_len, dtype)
+    try:
+        cos_sin = F.embedding(position_ids.to(lengths.device), table)  # (B, T, 2D)
+    except IndexError:
+        raise ValueError(f"position_ids must lie in [0, {table.shape[0]}) for this cache (max_len "
+                         f"{cache.max_len})") from None
+    B, D = lengths.shape[0], table.shape[1] // 2
+    cos_sin = cos_sin.view(B, num_new, 1, 2 * D)
+    c = module.config
+    mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens,
+                                c.num_attention_heads // c.num_key_value_heads)
+    bias = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+    return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask, bias)
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -735,9 +764,7 @@ class Transformer(RopeFrequencies, nn.Module):
         if cache.num_layers != L:
             raise ValueError(f"cache has {cache.num_layers} layers, the model {L}")
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        blk = prepare_block(self.inv_freq(), cache, input_ids.shape[1], x.dtype, position_ids, tree_mask,
-                            input_lens, kv_len)
-        li = LayerInputs.of_block(blk, self.config.num_attention_heads // self.config.num_key_value_heads)
+        li = prepare_block(self, cache, input_ids.shape[1], x.dtype, position_ids, tree_mask, input_lens, kv_len)
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, li, cache, i)

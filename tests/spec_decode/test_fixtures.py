@@ -177,6 +177,49 @@ def test_eagle3_training_time_test_matches_sequential_drafting(make_fixtures, ta
                 torch.testing.assert_close(unrolled[s][:, t], steps[s], atol=1e-4, rtol=1e-4)
 
 
+def _recomputed_unroll(head, ids, fused, num_steps):
+    """The training-time test as the build first ran it: step s recomputes steps 1..s in one block."""
+    B, T = ids.shape
+    n = T - num_steps
+    t_idx = torch.arange(n)
+    outs, feeds = [], [fused[:, :n]]
+    for s in range(1, num_steps + 1):
+        toks = torch.cat([ids[:, j: j + n] for j in range(1, s + 1)], dim=1)
+        pos = torch.cat([t_idx + j for j in range(s)])[None].expand(B, -1)
+        step_of, row_of = torch.arange(s).repeat_interleave(n), t_idx.repeat(s)
+        mask = ((step_of[None, :] == 0) & (row_of[None, :] <= row_of[:, None])) | (
+            (row_of[None, :] == row_of[:, None]) & (step_of[None, :] <= step_of[:, None]))
+        out = head(toks, torch.cat(feeds, dim=1), head.new_cache(B, s * n), position_ids=pos,
+                   tree_mask=mask[None].expand(B, -1, -1))
+        outs.append(out.logits[:, (s - 1) * n:])
+        feeds.append(out.hidden[:, (s - 1) * n:])
+    return outs
+
+
+def test_eagle3_unroll_gives_the_recomputed_losses_and_gradients(make_fixtures, target32, safespec_tiny_eagle3_path):
+    """Appending each step to a cache (one block of n rows per step) trains exactly what recomputing every
+    earlier step did (1 + 2 + ... + K blocks): same logits, same gradients, through the fed-back features
+    and the cached K/V alike."""
+    head = Eagle3Head.from_pretrained(safespec_tiny_eagle3_path, target32, dtype=torch.float64).train()
+    gen = torch.Generator().manual_seed(1)
+    T, K = 11, 3
+    ids = torch.randint(0, target32.config.vocab_size, (2, T), generator=gen)
+    fused = torch.randn(2, T, target32.config.hidden_size, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(2, T - K, head.draft_vocab_size, generator=gen, dtype=torch.float64) for _ in range(K)]
+    grads = []
+    for unroll in (make_fixtures.eagle3_unrolled, _recomputed_unroll):
+        head.zero_grad(set_to_none=True)
+        outs = unroll(head, ids, fused, K)
+        sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+        grads.append({name: p.grad.clone() for name, p in head.named_parameters() if p.grad is not None})
+        grads[-1]["logits"] = torch.cat([o.detach() for o in outs], 1)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for name in grads[0]:
+        # float64, but the RMSNorms compute in float32: gradients summed in another order differ at ~1e-8
+        scale = grads[1][name].abs().max().item()
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6 * scale, rtol=0, msg=name)
+
+
 # ------------------------------------------------------------------ quality floors (float32, deterministic)
 
 

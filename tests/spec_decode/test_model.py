@@ -456,12 +456,12 @@ def _tree_logits_with_poisoned_node(model, poison: int):
     cache.k[:, 0, :, 6 + poison] = float("nan")
     cache.v[:, 0, :, 6 + poison] = float("nan")
     # Re-run the block without rewriting the poisoned row: attend to it as a cached row would be.
-    hook = cache.write
-    cache.write = lambda layer, pos, k, v: None
+    hook = cache.write_rows
+    cache.write_rows = lambda layer, index, k, v: None
     try:
         return model(tokens, cache, tree_mask=mask, position_ids=6 + depth).logits[0]
     finally:
-        cache.write = hook
+        cache.write_rows = hook
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain_sdpa_mutant"])
@@ -531,7 +531,7 @@ def _unfused_attention(attn, x, li, cache, layer):
 def test_fused_projections_equal_the_unfused_computation(tmp_path, dtype, bias):
     """Issue #13: one q/k/v linear and one gate/up linear compute what the separate ones did."""
     import torch.nn.functional as F
-    from spec_decode.model import BlockInputs, LayerInputs, prepare_block
+    from spec_decode.model import LayerInputs, prepare_block
 
     model = Transformer.from_pretrained(make_tiny_target(tmp_path, attention_bias=bias, model_type="qwen2" if bias
                                                          else "llama"), dtype=dtype)
@@ -542,8 +542,7 @@ def test_fused_projections_equal_the_unfused_computation(tmp_path, dtype, bias):
     cache.lengths.copy_(torch.tensor([3, 6]))
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
                         dtype=torch.bool).expand(B, T, T)
-    blk = prepare_block(model.inv_freq(), cache, T, dtype, None, tree, None, 12)
-    li = LayerInputs.of_block(blk, n_rep=2)
+    li = prepare_block(model, cache, T, dtype, None, tree, None, 12)
     ref_cache = KVCache(cache.k.clone(), cache.v.clone(), cache.lengths.clone())
     got = layer.self_attn(x, li, cache, 1)
     ref = _unfused_attention(layer.self_attn, x, li, ref_cache, 1)
@@ -555,7 +554,7 @@ def test_fused_projections_equal_the_unfused_computation(tmp_path, dtype, bias):
     ref_mlp = F.linear(F.silu(F.linear(x, sd["gate_proj.weight"])) * F.linear(x, sd["up_proj.weight"]),
                        sd["down_proj.weight"])
     torch.testing.assert_close(layer.mlp(x), ref_mlp, **tol)
-    assert isinstance(blk, BlockInputs)
+    assert isinstance(li, LayerInputs)
 
 
 def test_state_dict_keeps_the_published_layout(tmp_path):
@@ -585,3 +584,67 @@ def test_state_dict_keeps_the_published_layout(tmp_path):
     # keep_vars: views of the fused parameters, so shapes and gradients follow them
     q = model.state_dict(keep_vars=True)["layers.0.self_attn.q_proj.weight"]
     assert q.shape == (32, 32) and q.data_ptr() == model.layers[0].self_attn.qkv_proj.weight.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------ block inputs
+def _mask_by_definition(lengths, num_new, kv_len, tree_mask, input_lens, n_rep):
+    """``build_attention_mask``'s docstring, element by element."""
+    B = len(lengths)
+    span = num_new if tree_mask is None else tree_mask.shape[-1]
+    past = span - num_new
+    out = torch.zeros(B, 1, n_rep * num_new, kv_len, dtype=torch.bool)
+    for b in range(B):
+        for t in range(num_new):
+            for s in range(kv_len):
+                j = s - int(lengths[b])
+                if j < 0:
+                    vis = True
+                elif j >= span:
+                    vis = False
+                elif j == past + t:
+                    vis = True
+                else:
+                    vis = bool(tree_mask[b, t, j]) if tree_mask is not None else j <= past + t
+                    if input_lens is not None and j >= past:
+                        vis = vis and j - past < int(input_lens[b])
+                for r in range(n_rep):
+                    out[b, 0, r * num_new + t, s] = vis
+    return out
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("n_rep", [1, 3])
+def test_attention_mask_matches_its_definition(tree, padded, n_rep):
+    g = torch.Generator().manual_seed(n_rep * 4 + tree * 2 + padded)
+    B, T, kv_len = 3, 4, 13
+    span = T + 2 if tree else T                  # a tree block appended after 2 earlier rows
+    lengths = torch.tensor([0, 3, 7])
+    tree_mask = torch.rand(B, T, span, generator=g) < 0.5 if tree else None
+    input_lens = torch.tensor([4, 1, 0]) if padded else None
+    got = build_attention_mask(lengths, T, kv_len, tree_mask, input_lens, n_rep=n_rep)
+    assert got.shape == (B, 1, n_rep * T, kv_len)
+    assert torch.equal(got, _mask_by_definition(lengths, T, kv_len, tree_mask, input_lens, n_rep))
+
+
+def test_rope_table_holds_the_computed_cos_sin(model):
+    from spec_decode.model import rope_cos_sin
+
+    table = model.rope_table(300, torch.float32)
+    assert table.shape == (512, 2 * model.config.head_dim)   # grown to a power of two >= 256
+    assert model.rope_table(40, torch.float32) is table       # reused while long enough
+    pos = torch.tensor([[0, 5, 299, 511]])
+    cos, sin = rope_cos_sin(model.inv_freq(), pos, torch.float32)
+    D = model.config.head_dim
+    torch.testing.assert_close(table[pos[0], :D], cos[0, 0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(table[pos[0], D:], sin[0, 0], atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_position_ids_outside_the_cache_are_named(model):
+    cache = model.new_cache(1, 16)
+    size = model.rope_table(16, torch.float32).shape[0]   # >= 256: the table outgrows small caches
+    with pytest.raises(ValueError, match=rf"position_ids must lie in \[0, {size}\)"):
+        model(torch.tensor([[1, 2]]), cache, position_ids=torch.tensor([[3, size]]))
+    with pytest.raises(ValueError, match="position_ids"):
+        model(torch.tensor([[1, 2]]), cache, position_ids=torch.tensor([[-1, 0]]))
