@@ -377,6 +377,9 @@ class _FakeDrafter(torch.nn.Module):
         self.clock.t += self.cost
         return x
 
+    def draft_forward(self, x):
+        return self(x), None
+
 
 class _FakeDecoder:
     """Two steps per call; each phase advances a fake clock by a known cost; drafting calls the drafter twice."""
@@ -402,8 +405,8 @@ class _FakeDecoder:
                     with self.phase_timer(name):
                         self.clock.t += cost
                         if name == "drafting":
-                            self.drafter(torch.zeros(1))
-                            self.drafter(torch.zeros(1))
+                            self.drafter.draft_forward(torch.zeros(1))
+                            self.drafter.draft_forward(torch.zeros(1))
                 self.clock.t += self.OUTSIDE
             self.last_stats.step_s.append(self.clock.t - t0)
         return [types.SimpleNamespace(token_ids=[0] * 4, accepted_lengths=[3, 1])]
@@ -428,7 +431,10 @@ def test_profile_split_is_exact_on_a_fake_decoder():
     assert split["drafter_call_ar_steps"] == pytest.approx(0.125)
     assert split["steps"] == 4 and split["mean_accepted_length"] == pytest.approx(2.0)
     assert dec.phase_timer is own_timer   # the hook is restored
-    assert not drafter._forward_hooks and not drafter._forward_pre_hooks   # and the module's hooks removed
+    assert "draft_forward" not in vars(drafter)   # and the drafter's own method back
+    # a drafter the decoder never calls is an error, not a split without drafter calls
+    with pytest.raises(RuntimeError, match="never called drafter.draft_forward"):
+        profile_split(dec, ar, _FakeDrafter(clock, 0.25), [[1]], 4, phases=PHASES, clock=clock)
 
 
 def test_phase_clock_counts_nested_phases_once():
