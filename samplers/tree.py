@@ -70,12 +70,13 @@ class TreeVerifyResult:
 
 @dataclass(frozen=True)
 class _Tree:
-    """Per-node structure on device. All tensors [B, N]."""
+    """Per-node structure on device. Tensors [B, N], ``older_sibling`` [B, N, N]."""
 
     parents: torch.Tensor  # int64, the raw parents
     reachable: torch.Tensor  # bool: real node with an unbroken path to the root
     depth: torch.Tensor  # int64: edges from the root (0 for root and padding)
     rank: torch.Tensor  # int64: index among reachable siblings, in node order
+    older_sibling: torch.Tensor  # bool [b, j, j']: j' < j has j's parent (the sibling tried before j)
 
 
 def _analyse_tree(parents: torch.Tensor) -> _Tree:
@@ -95,9 +96,9 @@ def _analyse_tree(parents: torch.Tensor) -> _Tree:
     reachable = real & (jump == 0)  # the chain ends at the root, not at a padding node
     depth = depth * reachable
     earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)  # [j, j'] : j' < j
-    same_parent = parents.unsqueeze(2) == parents.unsqueeze(1)  # [B, N, N]
-    rank = (same_parent & reachable.unsqueeze(1) & earlier).sum(2)
-    return _Tree(parents, reachable, depth, rank)
+    older_sibling = (parents.unsqueeze(2) == parents.unsqueeze(1)) & earlier  # [B, N, N]
+    rank = (older_sibling & reachable.unsqueeze(1)).sum(2)
+    return _Tree(parents, reachable, depth, rank, older_sibling)
 
 
 def _check_count(value, name):
@@ -269,9 +270,7 @@ def _greedy_paths(walk, argmax_ids, depth_bound, nonfinite, dead) -> TreeVerifyR
     idx = torch.arange(n, device=device)
     passes = (tree.reachable & walk.token_ok & (tree.depth <= depth_bound)
               & (tokens == argmax_ids.gather(1, tree.parents.clamp(min=0))))
-    earlier = torch.ones(n, n, dtype=torch.bool, device=device).tril(-1)  # [j, j'] : j' < j
-    same_parent = tree.parents.unsqueeze(2) == tree.parents.unsqueeze(1)
-    passes = passes & ~(same_parent & earlier & passes.unsqueeze(1)).any(2)
+    passes = passes & ~(tree.older_sibling & passes.unsqueeze(1)).any(2)
     accepted = passes | (idx == 0)
     jump = torch.where(tree.reachable, tree.parents, idx)  # root and padding point to themselves
     for _ in range(max(n, 1).bit_length()):
