@@ -428,13 +428,13 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     span = num_new if tree_mask is None else tree_mask.shape[-1]
     past = span - num_new  # uncommitted rows written before this block
     j = torch.arange(span, device=device)
-    own = j == torch.arange(past, span, device=device)[:, None]  # (T, S): each token's own row
+    own_row = torch.arange(past, span, device=device)[:, None]  # (T, 1): each token's own row in the span
     if tree_mask is None:
-        vis = j <= torch.arange(num_new, device=device)[:, None]  # causal (T, S), own row included
+        vis = j <= own_row  # causal (T, S), own row included (past == 0)
     else:
-        vis = tree_mask | own
+        vis = tree_mask | (j == own_row)
     if input_lens is not None:
-        vis = (vis & (j - past < input_lens[:, None, None].to(j.dtype))) | own
+        vis = (vis & (j - past < input_lens[:, None, None].to(j.dtype))) | (j == own_row)
     vis = vis.expand(B, num_new, span)
     if n_rep > 1:   # expand + reshape: one copy (``repeat`` costs ~30 us of small ops on CPU)
         vis = vis[:, None].expand(B, n_rep, num_new, span).reshape(B, n_rep * num_new, span)
