@@ -399,6 +399,19 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
         assert torch.equal(a, b)
 
 
+def test_stage_lr_anneals_a_shortened_cosine_to_its_floor(make_fixtures):
+    """A stage cut short keeps its cosine up to `anneal_from`, then falls linearly to the cosine's floor."""
+    plain = dict(steps=100, lr=1.0, warmup=10)
+    cut = dict(plain, steps=70, cosine_steps=100, anneal_from=60)
+    cosine = [make_fixtures.cosine_lr(s / 100, s, warmup=10, peak=1.0) for s in range(101)]
+    assert [make_fixtures.stage_lr(plain, s) for s in range(100)] == cosine[:100]
+    assert [make_fixtures.stage_lr(cut, s) for s in range(61)] == cosine[:61]
+    annealed = [make_fixtures.stage_lr(cut, s) for s in range(60, 71)]
+    assert all(a > b for a, b in zip(annealed, annealed[1:]))
+    assert annealed[-1] == pytest.approx(cosine[100]) == pytest.approx(0.1)
+    assert annealed[5] == pytest.approx((cosine[60] + cosine[100]) / 2)
+
+
 def test_goal_table_marks_each_goal():
     """measure_fixtures: a goal is met exactly when its figure is on the right side of the bar."""
     spec = importlib.util.spec_from_file_location("measure_fixtures", BUILD_SCRIPT.parent / "measure_fixtures.py")
