@@ -28,12 +28,12 @@ from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPT
                                       BenchInputError, MethodSpec, check_out_dir, default_dtype_name, load_prompts)
 from spec_decode.bench.machine import torch_threads
 
-# (num_steps, topk, num_draft_tokens): six chains, then trees from narrow to wide. The first trees are
-# chains plus one or two side branches: on CPU each verified token costs, so that is where a tree can
-# beat a chain.
+# (num_steps, topk, num_draft_tokens): six chains; chains plus one or two side branches (on CPU each
+# verified token costs, so that is where a tree can beat a chain); then trees from narrow to wide.
 DEFAULT_SHAPES = (
     (2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6), (6, 1, 7), (7, 1, 8),
-    (4, 2, 6), (5, 2, 7), (6, 2, 8), (3, 2, 6), (4, 2, 8), (5, 2, 10), (5, 4, 8), (6, 4, 12), (6, 4, 16), (8, 4, 16), (6, 8, 24), (6, 8, 32),
+    (4, 2, 6), (5, 2, 7), (6, 2, 8),
+    (3, 2, 6), (4, 2, 8), (5, 2, 10), (5, 4, 8), (6, 4, 12), (6, 4, 16), (8, 4, 16), (6, 8, 24), (6, 8, 32),
     (8, 8, 64),
 )
 DRAFTERS = {"eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft_lm"}
