@@ -86,7 +86,9 @@ class DraftTree:
         draft_probs  [B, N, V] float32 or None: q at node i, the distribution node i's children were
                      drawn from (sampled rows; zeros where a node has no sampled children)
     ``max_depth`` and ``max_children`` are host ints: the deepest node and the most children of one
-    node any tree of the batch can have (they bound the verify walk's loops).
+    node any tree of the batch can have (they bound the verify walk's loops). ``chain`` (host bool):
+    every tree of the batch is a full chain, node i the child of node i - 1, so ``tree_mask`` is
+    causal and node i sits at depth i: a verify forward may run it as a plain causal block.
     """
 
     tokens: Tensor
@@ -96,6 +98,7 @@ class DraftTree:
     max_depth: int
     draft_probs: Tensor | None = None
     max_children: int | None = None
+    chain: bool = False
 
 
 @dataclass
@@ -336,25 +339,31 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     B, N, device = root.shape[0], num_steps + 1, root.device
     chain, qs = [root[:, None]], []
     logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
-    for depth in range(1, N):
-        exp = _Expansion(logits, 1, sampling)
-        chain.append(drafter.to_target_ids(exp.ids[:, :, 0]))                  # [B, 1]
-        qs.append(exp.q)
-        if depth == num_steps:
-            break
-        # the new node sits depth-1 after the committed rows and sees every spec row so far (its ancestors)
-        hidden, feature = drafter.draft_forward(
-            chain[-1], feature, cache, position_ids=cache.lengths[:, None] + (depth - 1),
-            tree_mask=torch.ones(B, 1, depth, dtype=torch.bool, device=device),
-            kv_len=None if kv_len is None else kv_len + depth)
-        logits = drafter.compute_logits(hidden)
+    advanced = 0
+    try:
+        for depth in range(1, N):
+            exp = _Expansion(logits, 1, sampling)
+            chain.append(drafter.to_target_ids(exp.ids[:, :, 0]))              # [B, 1]
+            qs.append(exp.q)
+            if depth == num_steps:
+                break
+            # A chain node sees every spec row before it: with those rows counted as committed for
+            # the moment, each call is a plain causal one-token forward (the cheap mask, default
+            # positions: depth-1 after the real committed rows), and the lengths go back below.
+            hidden, feature = drafter.draft_forward(chain[-1], feature, cache,
+                                                    kv_len=None if kv_len is None else kv_len + depth)
+            cache.lengths += 1
+            advanced += 1
+            logits = drafter.compute_logits(hidden)
+    finally:
+        cache.lengths -= advanced   # nothing speculative stays committed: the next catch-up overwrites it
     draft_probs = None
     if sampling is not None:   # q at node i drew node i + 1; the last node has no children
         draft_probs = drafter.to_target_probs(torch.cat(qs + [torch.zeros_like(qs[0])], 1))
     nodes = torch.arange(N, device=device)
     return DraftTree(torch.cat(chain, 1), (nodes - 1).expand(B, N), nodes.expand(B, N),
                      torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(B, N, N),
-                     max_depth=num_steps, draft_probs=draft_probs, max_children=1)
+                     max_depth=num_steps, draft_probs=draft_probs, max_children=1, chain=True)
 
 
 def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, k: int) -> Tensor:

@@ -444,6 +444,22 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     return ext.gather(2, col[:, None, :].expand(B, ext.shape[1], kv_len))[:, None]
 
 
+def causal_block_mask(write_pos: Tensor, kv_len: int, n_rep: int = 1) -> Tensor:
+    """``build_attention_mask`` for a causal block without padding (no tree mask, no ``input_lens``).
+
+    Token ``t`` of request ``b`` sees exactly the keys ``s <= write_pos[b, t]``: the committed rows, the
+    block's rows before it and its own. Three ops instead of the general path's dozen: every decode
+    step of the target and most drafter calls take this path.
+
+    Shape: write_pos [B, T] int64 -> [B, 1, n_rep * T, kv_len] bool (query heads folded as there).
+    """
+    B, T = write_pos.shape
+    vis = torch.arange(kv_len, device=write_pos.device) <= write_pos[:, :, None]  # (B, T, kv_len)
+    if n_rep > 1:   # a view when T == 1, one copy otherwise
+        vis = vis[:, None].expand(B, n_rep, T, kv_len).reshape(B, n_rep * T, kv_len)
+    return vis[:, None]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama)."""
 
@@ -653,8 +669,11 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
     B, D = lengths.shape[0], table.shape[1] // 2
     cos_sin = cos_sin.view(B, num_new, 1, 2 * D)
     c = module.config
-    mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens,
-                                c.num_attention_heads // c.num_key_value_heads)
+    n_rep = c.num_attention_heads // c.num_key_value_heads
+    if tree_mask is None and input_lens is None:
+        mask = causal_block_mask(write_pos, kv_len or cache.max_len, n_rep)
+    else:
+        mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens, n_rep)
     bias = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
     return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask, bias)
 

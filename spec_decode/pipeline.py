@@ -381,9 +381,12 @@ class SpecDecoder:
         self._poison_kv(batch, plan, step)
         tcache = batch.target_cache
         with self.phase_timer("verify_forward"):
-            out = self.target(tree.tokens, tcache, position_ids=tcache.lengths[:, None] + tree.depth,
-                              tree_mask=tree.tree_mask, aux_layers=self.drafter.aux_layers,
-                              kv_len=max(batch.target_len) + N)
+            # a chain is a causal block at the default positions: the cheaper causal mask
+            tree_mask, position_ids = None, None
+            if not tree.chain:
+                tree_mask, position_ids = tree.tree_mask, tcache.lengths[:, None] + tree.depth
+            out = self.target(tree.tokens, tcache, position_ids=position_ids, tree_mask=tree_mask,
+                              aux_layers=self.drafter.aux_layers, kv_len=max(batch.target_len) + N)
         with self.phase_timer("verify_walk"):
             plan.apply(out.logits, step, "target_logits", batch.active)
             counts = self._nan_pass(out.logits.view(B * N, -1), N)
@@ -460,7 +463,9 @@ class SpecDecoder:
         C = max(batch.catch_len)
         tokens = batch.catch_tokens[:, :C]
         features = None if batch.catch_hidden is None else batch.catch_hidden[:, :C]
-        hidden, feedback = self.drafter.draft_forward(tokens, features, cache, input_lens=lens,
+        # equal queues have no padding: the causal fast path (a batch of one always has equal queues)
+        padded = min(batch.catch_len) < C
+        hidden, feedback = self.drafter.draft_forward(tokens, features, cache, input_lens=lens if padded else None,
                                                       kv_len=max(batch.draft_len) + C)
         last = (lens - 1)[:, None, None]                                          # [B, 1, 1]
         first_logits = self.drafter.compute_logits(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1])))[:, 0]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from spec_decode.checkpoint import SAFETENSORS_INDEX_NAME
-from spec_decode.model import KVCache, ModelConfig, Transformer, build_attention_mask
+from spec_decode.model import KVCache, ModelConfig, Transformer, build_attention_mask, causal_block_mask
 
 from tiny_models import _randomize_, make_tiny_target, tiny_config
 
@@ -625,6 +625,17 @@ def test_attention_mask_matches_its_definition(tree, padded, n_rep):
     got = build_attention_mask(lengths, T, kv_len, tree_mask, input_lens, n_rep=n_rep)
     assert got.shape == (B, 1, n_rep * T, kv_len)
     assert torch.equal(got, _mask_by_definition(lengths, T, kv_len, tree_mask, input_lens, n_rep))
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("n_rep", [1, 3])
+def test_causal_block_mask_is_the_general_mask_without_tree_or_padding(T, n_rep):
+    """The fast path every decode step takes gives the definition's mask, bit for bit."""
+    lengths, kv_len = torch.tensor([0, 3, 7]), 13
+    write_pos = lengths[:, None] + torch.arange(T)
+    got = causal_block_mask(write_pos, kv_len, n_rep)
+    assert got.shape == (3, 1, n_rep * T, kv_len)
+    assert torch.equal(got, _mask_by_definition(lengths, T, kv_len, None, None, n_rep))
 
 
 def test_rope_table_holds_the_computed_cos_sin(model):
