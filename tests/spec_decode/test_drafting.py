@@ -174,6 +174,33 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
                 assert torch.allclose(q.sum(), torch.tensor(1.0)) and bool((q[kids] > 0).all())
 
 
+def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails(tmp_path):
+    """The chain counts its spec rows as committed while it drafts; an error midway must not keep them."""
+    from spec_decode.drafting import draft_tree
+    target, drafter = _target_and_drafter(tmp_path, "eagle")
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    calls = []
+    real_logits = drafter.compute_logits
+
+    def failing_logits(hidden):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("drafter failed")
+        return real_logits(hidden)
+
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(1, 64))
+        cache = drafter.new_cache(1, 64)
+        hidden, _ = drafter.draft_forward(prompts, drafter.features(out), cache)
+        cache.commit(torch.tensor([6]))
+        drafter.compute_logits = failing_logits
+        with pytest.raises(RuntimeError, match="drafter failed"):
+            draft_tree(drafter, cache, torch.tensor([7]), real_logits(hidden[:, -1]), hidden[:, -1], num_steps=4,
+                       topk=1, num_draft_tokens=5, kv_len=6)
+    assert len(calls) == 2
+    assert torch.equal(cache.lengths, torch.tensor([6]))
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("rows", ["greedy", "sampled", "mixed"])
 def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
