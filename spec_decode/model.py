@@ -448,8 +448,8 @@ def causal_block_mask(write_pos: Tensor, kv_len: int, n_rep: int = 1) -> Tensor:
     """``build_attention_mask`` for a causal block without padding (no tree mask, no ``input_lens``).
 
     Token ``t`` of request ``b`` sees exactly the keys ``s <= write_pos[b, t]``: the committed rows, the
-    block's rows before it and its own. Three ops instead of the general path's dozen: every decode
-    step of the target and most drafter calls take this path.
+    block's rows before it and its own. Three ops instead of the general path's dozen: plain decode
+    steps, chain verifies, chain drafter calls and unpadded catch-ups take this path (tree depths do not).
 
     Shape: write_pos [B, T] int64 -> [B, 1, n_rep * T, kv_len] bool (query heads folded as there).
     """
