@@ -18,7 +18,8 @@ spec rows
     committed: the next catch-up overwrites those rows.
 greedy drafts
     Children are the drafter's top-k; the final tree keeps the best ``num_draft_tokens - 1`` pool
-    candidates by score (EAGLE-2). Verified with the deterministic-draft rule.
+    candidates by score (EAGLE-2; ``score_temperature`` rescales the scores). Verified with the
+    deterministic-draft rule.
 sampled drafts
     For a request with temperature > 0, a node's children are drawn from q, the drafter's
     distribution at that request's temperature (and its top-k/top-p), without replacement, in
@@ -30,6 +31,7 @@ sampled drafts
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -193,9 +195,22 @@ class _Pool:
                 torch.cat(self.kept, 1), depth)
 
 
-def _greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k of log_softmax in float32 of sanitized logits. Shape: [..., Vd] -> ([..., k], [..., k])."""
+def _greedy_children(logits: Tensor, k: int, score_temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Top-k of log_softmax(logits / score_temperature) in float32 of sanitized logits.
+
+    The children are the top-k logits whatever the temperature; it only rescales their scores.
+    Shape: [..., Vd] -> ([..., k], [..., k]).
+    """
+    if score_temperature != 1.0:
+        logits = logits / score_temperature
     return torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
+
+
+def check_score_temperature(value, name: str = "score_temperature") -> float:
+    """A finite float > 0, or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
@@ -220,12 +235,12 @@ class _Expansion:
     never yields a bad id.
     """
 
-    def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None):
+    def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None, score_temperature: float = 1.0):
         # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
         logits = sanitize_nan_logits(logits.float(), warn=False)
         self.q = None
         if sampling is None or not sampling.all_sampled:
-            self.lp, self.ids = _greedy_children(logits, k)
+            self.lp, self.ids = _greedy_children(logits, k, score_temperature)
         if sampling is None:
             return
         q = _draft_q(logits, sampling)
@@ -256,7 +271,7 @@ def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
 
 def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
-               sampling: DraftSampling | None = None) -> DraftTree:
+               sampling: DraftSampling | None = None, score_temperature: float = 1.0) -> DraftTree:
     """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
 
     Shape:
@@ -271,23 +286,35 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     sampled trees keep ``sum(sampled_depth_budget(...))`` nodes and pad the rest.
     Drafter calls: ``num_steps - 1``, each over the newest ``topk`` frontier rows only.
     NaN: drafter logits are sanitized before ranking, so a NaN draft never yields a bad id.
+
+    ``score_temperature``: greedy rows score a candidate by its path's summed
+    ``log_softmax(logits / score_temperature)``; 1.0 is EAGLE-2's rule (the drafter's confidence).
+    Below 1 it trusts the drafter's first choices more than its confidence says. That fits
+    greedy verification: a first choice is accepted when it is the target's argmax, which happens
+    more often than the confidence of a drafter trained to match the target's whole distribution
+    (on the shipped EAGLE head, 0.77 against a mean confidence well below it), so EAGLE-2's rule
+    spends nodes on siblings that the deeper first choices would have used better. The children
+    are the same at any value; only which candidates the tree keeps changes. Sampled rows keep
+    their own rank scores; a chain has nothing to choose.
     """
+    score_temperature = check_score_temperature(score_temperature)
     if topk == 1 and num_draft_tokens == num_steps + 1:
         return _draft_chain(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, kv_len=kv_len,
                             sampling=sampling)
     return _draft_pool_tree(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, topk=topk,
-                            num_draft_tokens=num_draft_tokens, kv_len=kv_len, sampling=sampling)
+                            num_draft_tokens=num_draft_tokens, kv_len=kv_len, sampling=sampling,
+                            score_temperature=score_temperature)
 
 
 def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                      num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None,
-                     sampling: DraftSampling | None) -> DraftTree:
+                     sampling: DraftSampling | None, score_temperature: float = 1.0) -> DraftTree:
     """``draft_tree`` for any shape: scored pool, ancestor sets, EAGLE-2 selection."""
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
     no_kept = lambda n: torch.zeros(B, n, dtype=torch.bool, device=device)
     pool = _Pool(B, k + (num_steps - 1) * k * k, device)
-    exp = _Expansion(first_logits[:, None], k, sampling)
+    exp = _Expansion(first_logits[:, None], k, sampling, score_temperature)
     score, tokens = exp.lp[:, 0], drafter.to_target_ids(exp.ids[:, 0])         # [B, k]
     kept = _keep_prefixes(score, budget[0]) if budget else no_kept(k)
     pool.add(score, tokens, torch.full_like(tokens, NO_PARENT), kept, 1)
@@ -306,7 +333,7 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
         hidden, feedback = drafter.draft_forward(
             frontier_tokens, frontier_hidden, cache, position_ids=position_ids.expand(B, k), tree_mask=mask,
             kv_len=None if kv_len is None else kv_len + S)
-        exp = _Expansion(drafter.compute_logits(hidden), k, sampling)           # [B, k, k]
+        exp = _Expansion(drafter.compute_logits(hidden), k, sampling, score_temperature)   # [B, k, k]
         node_q.append((frontier_pool, exp.q))
         score = (frontier_score[:, :, None] + exp.lp).reshape(B, k * k)
         tokens = drafter.to_target_ids(exp.ids.reshape(B, k * k))

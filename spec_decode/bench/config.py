@@ -26,7 +26,8 @@ class MethodSpec:
     ``method`` is the ``SpecDecoder`` method; ``drafter`` names the checkpoint it needs
     (``"draft_lm"``, ``"eagle"``, ``"eagle3"`` or None). A chain is ``topk=1`` with
     ``num_draft_tokens = num_steps + 1`` (root included); ``num_steps="auto"`` lets the decoder
-    choose the depth per step.
+    choose the depth per step. ``score_temperature``: ``SpecDecoder(tree_score_temperature=...)``
+    (None: the library's default, 1.0).
     """
 
     key: str
@@ -36,6 +37,7 @@ class MethodSpec:
     num_steps: int | str | None = None
     topk: int | None = None
     num_draft_tokens: int | None = None
+    score_temperature: float | None = None
 
     @property
     def speculative(self) -> bool:

@@ -146,6 +146,8 @@ class ModelCache:
         drafter = self.get(spec.drafter) if spec.drafter else None
         tree = {} if drafter is None else dict(num_steps=spec.num_steps, topk=spec.topk,
                                                num_draft_tokens=spec.num_draft_tokens)
+        if drafter is not None and spec.score_temperature is not None:
+            tree["tree_score_temperature"] = spec.score_temperature
         dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)
         return OursRunner(spec, dec, (target, drafter))
 

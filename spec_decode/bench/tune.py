@@ -1,5 +1,8 @@
 """``spec-bench tune``: sweep the tree shape (num_steps, topk, num_draft_tokens) and name the fastest.
 
+A tree shape may carry a fourth value, the tree's ``score_temperature``
+(``SpecDecoder(tree_score_temperature=...)``), written ``6/2/8@0.5``; without it the library's 1.0.
+
 For one drafter (``--method eagle | eagle3 | draft_model``) every shape of the grid gets its own
 ``SpecDecoder``; all share one loaded target and drafter, and ``ar`` (``method="none"``) runs beside
 them as the yardstick. Per temperature, each decoder gets one warm-up call; then the measured calls
@@ -27,14 +30,16 @@ from spec_decode.bench.cli import add_input_args, csv_list, input_paths, resolve
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_SPECS, BenchConfig,
                                       BenchInputError, MethodSpec, check_out_dir, default_dtype_name, load_prompts)
 from spec_decode.bench.machine import torch_threads
+from spec_decode.drafting import check_score_temperature
 
 # (num_steps, topk, num_draft_tokens): six chains; chains plus one or two side branches (on CPU each
 # verified token costs, so that is where a tree can beat a chain); then trees from narrow to wide.
 DEFAULT_SHAPES = (
     (2, 1, 3), (3, 1, 4), (4, 1, 5), (5, 1, 6), (6, 1, 7), (7, 1, 8),
     (4, 2, 6), (5, 2, 7), (6, 2, 8),
-    (3, 2, 6), (4, 2, 8), (5, 2, 10), (5, 4, 8), (6, 4, 12), (6, 4, 16), (8, 4, 16), (6, 8, 24), (6, 8, 32),
-    (8, 8, 64),
+    (4, 2, 8), (5, 2, 10), (5, 4, 8), (6, 4, 12), (6, 4, 16), (6, 8, 32), (8, 8, 64),
+    # trees scored at temperature 0.5 (deeper first choices, fewer siblings)
+    (4, 2, 8, 0.5), (5, 2, 8, 0.5), (6, 2, 8, 0.5), (6, 2, 10, 0.5),
 )
 DRAFTERS = {"eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft_lm"}
 """``--method`` -> the drafter checkpoint it needs (``MethodSpec.drafter``)."""
@@ -44,30 +49,50 @@ DEFAULT_TUNE_PROMPTS = 8
 DEFAULT_FIRST_PROMPT = DEFAULT_NUM_PROMPTS + 1   # after spec-bench's measured prompts and its warm-up prompt
 
 
-def shape_key(shape: tuple[int, int, int]) -> str:
-    """``(5, 4, 8) -> "5/4/8"`` (num_steps/topk/num_draft_tokens), the JSON key of a shape."""
-    return "/".join(str(v) for v in shape)
+def shape_key(shape: tuple) -> str:
+    """``(5, 4, 8) -> "5/4/8"`` (num_steps/topk/num_draft_tokens), ``(6, 2, 8, 0.5) -> "6/2/8@0.5"``
+    (and a score temperature): the JSON key of a shape."""
+    key = "/".join(str(v) for v in shape[:3])
+    return key if len(shape) == 3 else f"{key}@{shape[3]:g}"
 
 
-def is_chain(shape: tuple[int, int, int]) -> bool:
+def score_temperature(shape: tuple) -> float | None:
+    """The shape's tree score temperature, None when it has none (the library's default)."""
+    return shape[3] if len(shape) > 3 else None
+
+
+def is_chain(shape: tuple) -> bool:
     """True for a chain: ``topk=1`` and ``num_draft_tokens = num_steps + 1`` (one node per depth, root included)."""
-    num_steps, topk, num_draft_tokens = shape
+    num_steps, topk, num_draft_tokens = shape[:3]
     return topk == 1 and num_draft_tokens == num_steps + 1
 
 
-def parse_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``"4/1/5,5/4/8"`` -> ``((4, 1, 5), (5, 4, 8))``; argparse error naming ``--shapes`` otherwise."""
+def _parse_shape(item: str) -> tuple:
+    triple, _, temp = item.partition("@")
+    try:
+        shape = tuple(int(p) for p in triple.split("/"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"expected num_steps/topk/num_draft_tokens triples like 5/4/8 (or "
+                                         f"6/2/8@0.5 with a tree score temperature), got {item!r}")
+    if not temp:
+        return shape
+    try:
+        value = check_score_temperature(float(temp), "a shape's score temperature")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err} in {item!r}") from None
+    if is_chain(shape):
+        raise argparse.ArgumentTypeError(f"{item!r}: a chain has no tree to score; drop the @temperature")
+    return (*shape, value)
+
+
+def parse_shapes(text: str) -> tuple[tuple, ...]:
+    """``"4/1/5,5/4/8,6/2/8@0.5"`` -> ``((4, 1, 5), (5, 4, 8), (6, 2, 8, 0.5))``; argparse error naming
+    ``--shapes`` otherwise."""
     shapes = []
     for item in (s.strip() for s in text.split(",")):
-        parts = item.split("/")
-        try:
-            shape = tuple(int(p) for p in parts)
-        except ValueError:
-            shape = ()
-        if len(shape) != 3:
-            raise argparse.ArgumentTypeError(f"expected num_steps/topk/num_draft_tokens triples like 5/4/8, "
-                                             f"got {item!r}")
-        shapes.append(shape)
+        shapes.append(_parse_shape(item))
     if len(set(shapes)) != len(shapes):
         raise argparse.ArgumentTypeError(f"a shape is listed twice in {text!r}")
     return tuple(shapes)
@@ -115,7 +140,8 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
     models = ModelCache(cfg, cfg.dtypes[0], device)
     runners = {"ar": models.runner(METHOD_SPECS["ar"])}
     for shape in shapes:
-        spec = MethodSpec(shape_key(shape), "ours", method, drafter, *shape)
+        spec = MethodSpec(shape_key(shape), "ours", method, drafter, *shape[:3],
+                          score_temperature=score_temperature(shape))
         runners[spec.key] = checked_load("--shapes", spec.key, lambda: models.runner(spec))
     results = {"machine": machine_info(device),
                "config": {**{k: v for k, v in cfg.to_json().items() if k in TUNE_CONFIG_KEYS}, "method": method,
@@ -134,6 +160,7 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
                 add_speedups(entries)
                 for shape in shapes:
                     entries[shape_key(shape)].update(num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2],
+                                                     score_temperature=score_temperature(shape),
                                                      chain=is_chain(shape))
                 keys = [shape_key(s) for s in shapes]
                 t = temp_key(temp)

@@ -520,8 +520,29 @@ def test_tune_sweeps_shapes_on_the_shipped_fixtures(tmp_path, capsys):
     assert "best" in capsys.readouterr().out
 
 
+def test_tune_shapes_carry_a_tree_score_temperature(fake_fixtures, tmp_path):
+    """``6/2/8@0.5``: the key keeps the temperature, and the decoder the shape builds scores with it."""
+    from spec_decode.bench.config import BenchConfig, MethodSpec
+    from spec_decode.bench.methods import ModelCache
+    from spec_decode.bench.tune import parse_shapes, score_temperature, shape_key
+
+    shapes = parse_shapes("4/1/5, 6/2/8@0.5, 6/2/8")
+    assert shapes == ((4, 1, 5), (6, 2, 8, 0.5), (6, 2, 8))
+    assert [shape_key(s) for s in shapes] == ["4/1/5", "6/2/8@0.5", "6/2/8"]
+    assert [score_temperature(s) for s in shapes] == [None, 0.5, None]
+    m = fake_fixtures / "models"
+    cfg = BenchConfig(target=m / "tiny-target", draft_lm=m / "tiny-draft", eagle=m / "tiny-eagle",
+                      eagle3=m / "tiny-eagle3", prompts=fake_fixtures / "prompts.jsonl", out=tmp_path,
+                      num_prompts=2)
+    models = ModelCache(cfg, "fp32", torch.device("cpu"))
+    spec = MethodSpec("6/2/8@0.5", "ours", "eagle", "eagle", 6, 2, 8, score_temperature=0.5)
+    assert models.runner(spec).decoder.tree_score_temperature == 0.5
+    plain = MethodSpec("6/2/8", "ours", "eagle", "eagle", 6, 2, 8)
+    assert models.runner(plain).decoder.tree_score_temperature == 1.0
+
+
 def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
-    from spec_decode.bench.tune import DEFAULT_SHAPES, is_chain
+    from spec_decode.bench.tune import DEFAULT_SHAPES, is_chain, score_temperature
     from spec_decode.eagle import load_drafter
     from spec_decode.pipeline import SpecDecoder
 
@@ -529,14 +550,20 @@ def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
     assert sum(map(is_chain, DEFAULT_SHAPES)) >= 4 and not all(map(is_chain, DEFAULT_SHAPES))
     target = Transformer.from_pretrained(fake_fixtures / "models/tiny-target", dtype=torch.float32)
     head = load_drafter(fake_fixtures / "models/tiny-eagle", target, method="eagle")
-    for s, k, n in DEFAULT_SHAPES:
-        SpecDecoder(target, head, method="eagle", num_steps=s, topk=k, num_draft_tokens=n)   # no ValueError
+    for shape in DEFAULT_SHAPES:   # no ValueError
+        SpecDecoder(target, head, method="eagle", num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2],
+                    tree_score_temperature=score_temperature(shape) or 1.0)
+    assert any(score_temperature(s) is not None for s in DEFAULT_SHAPES)
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--shapes", "2/1"], "--shapes"),
     (["--shapes", "2/1/3,2/1/3"], "--shapes"),
     (["--shapes", "2/1/9"], "--shapes"),
+    (["--shapes", "3/2/6@0"], "--shapes"),
+    (["--shapes", "3/2/6@nan"], "--shapes"),
+    (["--shapes", "3/1/4@0.5"], "--shapes"),
+    (["--shapes", "3/2/6@0.5,3/2/6@0.50"], "--shapes"),
     (["--method", "medusa"], "--method"),
     (["--first-prompt", "2"], "--num-prompts"),
     (["--first-prompt", "-1"], "--first-prompt"),

@@ -233,3 +233,35 @@ def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
     if ref.draft_probs is not None:
         assert torch.equal(fast.draft_probs, ref.draft_probs)
     assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_a_cold_score_temperature_keeps_the_chain_of_first_choices(tmp_path, kind):
+    """score_temperature -> 0 ranks every first choice above every sibling: a 4/2/5 tree is then the
+    4/1/5 chain. At 1.0 (EAGLE-2's rule) the same tree keeps siblings, so the temperature is used."""
+    from spec_decode.drafting import draft_tree
+    target, drafter = _target_and_drafter(tmp_path, kind)
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(3, 64), aux_layers=drafter.aux_layers)
+        cache = drafter.new_cache(3, 64)
+        hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
+        cache.commit(torch.tensor([6, 6, 6]))
+        args = (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
+                None if feedback is None else feedback[:, -1])
+        chain = draft_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6)
+        cold = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6, score_temperature=1e-4)
+        eagle2 = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6)
+    assert torch.equal(cold.tokens, chain.tokens) and torch.equal(cold.parents, chain.parents)
+    assert torch.equal(cold.depth, chain.depth) and torch.equal(cold.tree_mask, chain.tree_mask)
+    assert not torch.equal(eagle2.parents, chain.parents)   # random drafters are unsure: siblings win at 1.0
+
+
+@pytest.mark.parametrize("value", [0, -0.5, float("nan"), float("inf"), "0.5", True])
+def test_draft_tree_rejects_a_bad_score_temperature(tmp_path, value):
+    from spec_decode.drafting import draft_tree
+    target, drafter = _target_and_drafter(tmp_path, "eagle")
+    cache = drafter.new_cache(1, 16)
+    with pytest.raises(ValueError, match="score_temperature"):
+        draft_tree(drafter, cache, torch.tensor([7]), torch.zeros(1, drafter.draft_vocab_size), torch.zeros(1, 32),
+                   num_steps=2, topk=2, num_draft_tokens=4, score_temperature=value)

@@ -76,6 +76,21 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_gree
     assert sum(lengths) / len(lengths) > 2.5
 
 
+@pytest.mark.parametrize("temp", [0.5, 1e-3, 4.0])
+def test_greedy_trees_scored_at_any_temperature_stay_lossless(models, ar_greedy, temp):
+    """tree_score_temperature changes which candidates a greedy tree keeps, never the output."""
+    dec = _decoder(models, "eagle", nan_policy="raise", num_steps=4, topk=2, num_draft_tokens=6,
+                   tree_score_temperature=temp)
+    assert dec.tree_score_temperature == temp
+    assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), None])
+def test_a_bad_tree_score_temperature_is_refused_by_name(models, value):
+    with pytest.raises(ValueError, match="tree_score_temperature"):
+        _decoder(models, "eagle", **TREE, tree_score_temperature=value)
+
+
 def test_greedy_single_request_equals_batched(models, ar_greedy):
     dec = _decoder(models, "eagle", **TREE)
     for i, p in enumerate(PROMPTS):
