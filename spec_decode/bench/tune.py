@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=DEFAULT_TUNE_PROMPTS)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
-                   help="comma list of num_steps/topk/num_draft_tokens (default: "
+                   help="comma list of num_steps/topk/num_draft_tokens, a tree optionally with @score_temperature "
+                        "(default: "
                         f"{','.join(shape_key(s) for s in DEFAULT_SHAPES)})")
     p.add_argument("--temperatures", type=csv_list(float), default=(0.0, 1.0), help="comma list (default 0,1)")
     p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
