@@ -201,21 +201,27 @@ def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails
     assert torch.equal(cache.lengths, torch.tensor([6]))
 
 
+def _three_rows_after_a_prompt(tmp_path, kind: str) -> tuple:
+    """``draft_tree``'s positional args for 3 rows whose drafter cache holds a 6-token prompt (no grad)."""
+    target, drafter = _target_and_drafter(tmp_path, kind)
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
+    out = target(prompts, target.new_cache(3, 64), aux_layers=drafter.aux_layers)
+    cache = drafter.new_cache(3, 64)
+    hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
+    cache.commit(torch.tensor([6, 6, 6]))
+    return (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
+            None if feedback is None else feedback[:, -1])
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("rows", ["greedy", "sampled", "mixed"])
 def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
     """topk=1 skips the pool: same tokens, parents, depths, mask and q as the general path, same draws."""
     from spec_decode.drafting import DraftSampling, _draft_pool_tree, draft_tree
-    target, drafter = _target_and_drafter(tmp_path, kind)
-    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
     sampled = {"greedy": None, "sampled": [True] * 3, "mixed": [True, False, True]}[rows]
     with torch.no_grad():
-        out = target(prompts, target.new_cache(3, 64), aux_layers=drafter.aux_layers)
-        cache = drafter.new_cache(3, 64)
-        hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
-        cache.commit(torch.tensor([6, 6, 6]))
-        args = (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
-                None if feedback is None else feedback[:, -1])
+        args = _three_rows_after_a_prompt(tmp_path, kind)
+        cache = args[1]
 
         def sampling():
             if sampled is None:
@@ -240,15 +246,8 @@ def test_a_cold_score_temperature_keeps_the_chain_of_first_choices(tmp_path, kin
     """score_temperature -> 0 ranks every first choice above every sibling: a 4/2/5 tree is then the
     4/1/5 chain. At 1.0 (EAGLE-2's rule) the same tree keeps siblings, so the temperature is used."""
     from spec_decode.drafting import draft_tree
-    target, drafter = _target_and_drafter(tmp_path, kind)
-    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46], [1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
-        out = target(prompts, target.new_cache(3, 64), aux_layers=drafter.aux_layers)
-        cache = drafter.new_cache(3, 64)
-        hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
-        cache.commit(torch.tensor([6, 6, 6]))
-        args = (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
-                None if feedback is None else feedback[:, -1])
+        args = _three_rows_after_a_prompt(tmp_path, kind)
         chain = draft_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6)
         cold = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6, score_temperature=1e-4)
         eagle2 = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6)
