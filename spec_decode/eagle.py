@@ -83,6 +83,7 @@ from spec_decode.model import (
     DecoderLayer,
     KVCache,
     LayerInputs,
+    Linear,
     ModelConfig,
     ModelOutput,
     RMSNorm,
@@ -272,7 +273,7 @@ class EagleHead(_DraftHead):
         self.config = config
         H = config.hidden_size
         # default true: the reference EAGLE-1/2 loader's default when config.json has no "bias"
-        self.fc = nn.Linear(2 * H, H, bias=_fc_bias(config, fc_bias, default=True))
+        self.fc = Linear(2 * H, H, bias=_fc_bias(config, fc_bias, default=True))
         self.layers = nn.ModuleList(DecoderLayer(config, input_norm=i != 0) for i in range(config.num_hidden_layers))
         self._bind_embedding(target, own_embedding)
         object.__setattr__(self, "lm_head", target.lm_head)  # shared, never saved
@@ -371,10 +372,10 @@ class Eagle3Head(_DraftHead):
         config.extra["draft_vocab_size"] = Vd
         config.extra["eagle_config"] = {**(config.extra.get("eagle_config") or {}),
                                         AUX_IDS_KEY: list(ids if ids is not None else self.aux_layers)}
-        self.fc = nn.Linear(3 * Ht, H, bias=_fc_bias(config, fc_bias, default=False))
+        self.fc = Linear(3 * Ht, H, bias=_fc_bias(config, fc_bias, default=False))
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
-        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.lm_head = Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
         if self.d2t.device.type != "meta":

@@ -359,12 +359,11 @@ class KVCache:
             dst = self.lengths[:, None] + j[None, :]  # (B, A)
             # rows beyond num move onto themselves: a no-op that keeps the scatter free of conflicts
             src = torch.where(keep, self.lengths[:, None] + rel_idx, dst)
-            L, B, H, _, D = self.k.shape
-            src_idx = src[None, :, None, :, None].expand(L, B, H, -1, D)
-            dst_idx = dst[None, :, None, :, None].expand(L, B, H, -1, D)
+            slot = torch.arange(self.batch_size, device=src.device)[:, None].expand_as(src)  # (B, A)
             for buf in (self.k, self.v):
-                rows = buf.gather(3, src_idx)  # (L, B, H, A, D), gathered before any write
-                buf.scatter_(3, dst_idx, rows)
+                # indexing touches only the A moved rows (scatter_ on CPU copied the whole buffer);
+                # the read is a copy, taken before any write
+                buf[:, slot, :, dst] = buf[:, slot, :, src]  # (B, A, L, H, D)
         self.lengths += num
 
     def select(self, slots: Tensor) -> "KVCache":
@@ -388,6 +387,73 @@ class KVCache:
         self.k.masked_fill_(m, 0)
         self.v.masked_fill_(m, 0)
         self.lengths.masked_fill_(slot_mask, 0)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that, in bf16 inference on a CPU where oneDNN runs bf16, reuses a packed weight.
+
+    ``F.linear`` hands a bf16 weight to oneDNN, which lays it out for its kernel again on every
+    call; packing it once (``torch.ops.mkldnn._reorder_linear_weight``) and calling the packed
+    kernel gives bit-identical outputs (tested over shapes, batch sizes and biases) in fewer
+    microseconds: on an AVX-512 EPYC with ``avx512_bf16``, 83 -> 49 us for a one-row
+    192 x 4096 projection, 29 -> 23 us for 192 x 1024. The packed copy costs a second copy of
+    the weight in memory; it is rebuilt when the weight is replaced or changed in place, and
+    ``set_packed_linears(module, False)`` turns it off. Everywhere else (grad mode, CUDA, fp32,
+    fp16, ``torch.compile``, weights created under ``torch.inference_mode``, which keep no version
+    counter), and with ``packed=None`` on a CPU without oneDNN bf16, it is ``nn.Linear``. State
+    dicts are ``nn.Linear``'s.
+    """
+
+    packed: bool | None = None   # None: on when oneDNN bf16 runs on this CPU (decided at first use)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype is not torch.bfloat16 or self.packed is False or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        packed = self._packed_weight(x)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def _packed_weight(self, x: Tensor) -> Tensor | None:
+        """The packed weight, (re)built when the weight changed; None where packing does not apply."""
+        w = self.weight
+        if w.is_inference():   # no version counter: an in-place change could not be seen
+            return None
+        key = (w.data_ptr(), w._version)
+        cached = self.__dict__.get("_packed")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if (self.packed is None and not onednn_bf16_native()) or torch.compiler.is_compiling():
+            return None
+        if w.dtype is not torch.bfloat16 or w.device.type != "cpu" or x.device.type != "cpu":
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        self.__dict__["_packed"] = (key, packed)
+        return packed
+
+
+_ONEDNN_BF16: list[bool] = []
+
+
+def onednn_bf16_native() -> bool:
+    """True when this CPU runs oneDNN's bf16 kernels (AVX-512 BW and up) and torch has the packed op."""
+    if not _ONEDNN_BF16:
+        ok = False
+        try:
+            ok = (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        except (AttributeError, RuntimeError):
+            ok = False
+        _ONEDNN_BF16.append(bool(ok))
+    return _ONEDNN_BF16[0]
+
+
+def set_packed_linears(module: nn.Module, on: bool | None) -> None:
+    """Switch ``Linear``'s packed bf16 CPU path in every linear of ``module`` (None: the automatic choice)."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.packed = on
+            m.__dict__.pop("_packed", None)
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:
@@ -553,8 +619,8 @@ class Attention(nn.Module):
         in_dim = in_dim or config.hidden_size
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         q_rows, kv_rows = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.qkv_proj = nn.Linear(in_dim, q_rows + 2 * kv_rows, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(in_dim, q_rows + 2 * kv_rows, bias=config.attention_bias)
+        self.o_proj = Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
         _keep_published_keys(self, "qkv_proj", (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)))
 
     def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
@@ -592,8 +658,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         H, I = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(H, 2 * I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
+        self.gate_up_proj = Linear(H, 2 * I, bias=False)
+        self.down_proj = Linear(I, H, bias=False)
         _keep_published_keys(self, "gate_up_proj", (("gate_proj", I), ("up_proj", I)))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -710,7 +776,7 @@ class Transformer(RopeFrequencies, nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -405,7 +405,8 @@ class SpecDecoder:
             batch.target_len = [n + m for n, m in zip(batch.target_len, num_host)]
             path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]), res.accepted_node_ids.clamp(min=0)], 1)
             num = res.num_emitted.long()
-            tcache.commit(num, path)
+            # a chain's accepted rows already sit where they were written: no move
+            tcache.commit(num, None if tree.chain else path)
             feats = self.drafter.features(out)
             if feats is not None:
                 feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))

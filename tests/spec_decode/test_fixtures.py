@@ -399,6 +399,58 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("flags,want", [("fpu avx2 fma", "fp32"), ("avx2 avx512f avx512_bf16", "bf16"),
+                                         ("avx2 amx_tile amx_bf16", "bf16"), ("", "fp32")])
+def test_auto_training_precision_follows_the_cpu_flags(make_fixtures, flags, want):
+    """Issue #14: bf16 autocast only where the CPU has native bf16; fp32 and bf16 are taken as asked."""
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
+    assert make_fixtures.resolve_precision("auto", cpuinfo) == want
+    assert make_fixtures.resolve_precision("fp32", cpuinfo) == "fp32"
+    assert make_fixtures.resolve_precision("bf16", cpuinfo) == "bf16"
+    with pytest.raises(ValueError, match="--train-precision"):
+        make_fixtures.resolve_precision("fp16", cpuinfo)
+
+
+def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path, monkeypatch):
+    """A run started in bf16 autocast resumes in bf16 even when the new machine would choose fp32."""
+    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
+    seen = []
+
+    class StopAt:
+        def __init__(self, n):
+            self.calls, self.n = 0, n
+
+        def must_stop(self):
+            self.calls += 1
+            return self.calls >= self.n
+
+    def run(precision, stop_after):
+        net = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step_fn(step):
+            with make_fixtures.train_autocast():
+                y = net(torch.ones(2, 4))
+            seen.append((make_fixtures.PRECISION, y.dtype))
+            loss = y.float().square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            return {"loss": loss.detach()}
+
+        monkeypatch.setattr(make_fixtures, "PRECISION", precision)
+        monkeypatch.setattr(make_fixtures, "CLOCK", StopAt(stop_after))
+        return make_fixtures.train_resumable("p", net, opt, torch.Generator(), dict(steps=4, lr=0.1, warmup=1),
+                                             step_fn)
+
+    with pytest.raises(make_fixtures.Interrupted):
+        run("bf16", 2)
+    state = run("fp32", 10**9)
+    assert state["precision"] == "bf16" and state["step"] == 4
+    assert seen == [("bf16", torch.bfloat16)] * 4
+
+
 def test_stage_lr_anneals_a_shortened_cosine_to_its_floor(make_fixtures):
     """A stage cut short keeps its cosine up to `anneal_from`, then falls linearly to the cosine's floor."""
     plain = dict(steps=100, lr=1.0, warmup=10)

@@ -659,3 +659,100 @@ def test_position_ids_outside_the_cache_are_named(model):
         model(torch.tensor([[1, 2]]), cache, position_ids=torch.tensor([[3, size]]))
     with pytest.raises(ValueError, match="position_ids"):
         model(torch.tensor([[1, 2]]), cache, position_ids=torch.tensor([[-1, 0]]))
+
+
+# ------------------------------------------------------------------ packed bf16 linears (issue #13)
+def _packable_linear(out_f: int, in_f: int, bias: bool, seed: int = 0):
+    from spec_decode.model import Linear
+
+    torch.manual_seed(seed)
+    lin = Linear(in_f, out_f, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    lin.weight.normal_()
+    if bias:
+        lin.bias.normal_()
+    return lin
+
+
+@pytest.mark.parametrize("out_f,in_f", [(1, 1), (7, 3), (320, 192), (99, 989), (4096, 192)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_is_bit_identical_to_f_linear(out_f, in_f, bias):
+    """The packed path gives F.linear's bits at every row count; where oneDNN bf16 is not native it
+    is not taken at all (nothing packed)."""
+    import torch.nn.functional as F
+    from spec_decode.model import onednn_bf16_native
+
+    lin = _packable_linear(out_f, in_f, bias)
+    for rows in (1, 2, 5, 17):
+        x = torch.randn(2, rows, in_f).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = lin(x)
+        assert torch.equal(got, F.linear(x, lin.weight, lin.bias)), rows
+    assert ("_packed" in lin.__dict__) == onednn_bf16_native()
+
+
+def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
+    import torch.nn.functional as F
+    from spec_decode.model import onednn_bf16_native, set_packed_linears
+
+    lin = _packable_linear(64, 48, True)
+    x = torch.randn(1, 3, 48).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2)   # in place: the packed copy must not serve the old weight
+    with torch.inference_mode():
+        after = lin(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, F.linear(x, lin.weight, lin.bias))
+    lin.weight = torch.nn.Parameter(torch.randn(64, 48).to(torch.bfloat16), requires_grad=False)  # replaced
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert ("_packed" in lin.__dict__) == onednn_bf16_native()
+    set_packed_linears(lin, False)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert "_packed" not in lin.__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_leaves_grad_mode_and_other_dtypes_to_f_linear(dtype):
+    """Training needs autograd, which the packed op does not have; fp32 is never packed."""
+    lin = _packable_linear(16, 8, True).to(dtype).requires_grad_(True)
+    x = torch.randn(2, 8).to(dtype)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None
+    with torch.inference_mode():
+        lin(x)
+    from spec_decode.model import onednn_bf16_native
+    assert ("_packed" in lin.__dict__) == (dtype == torch.bfloat16 and onednn_bf16_native())
+
+
+def test_packed_linears_leave_a_bf16_forward_bit_identical(tmp_path):
+    from spec_decode.model import Linear, onednn_bf16_native, set_packed_linears
+
+    model = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.bfloat16)
+    outs = []
+    for on in (False, None):
+        set_packed_linears(model, on)
+        with torch.inference_mode():
+            cache = model.new_cache(2, 24)
+            first = model(_ids(2, 9), cache, kv_len=9).logits
+            cache.commit(torch.tensor([9, 9]))
+            outs.append((first, model(_ids(2, 3, seed=1), cache, kv_len=12).logits))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * 4 + 1 and all(("_packed" in m.__dict__) == onednn_bf16_native() for m in linears)
+
+
+def test_weights_made_under_inference_mode_are_never_packed():
+    """They keep no version counter, so an in-place change could not invalidate a packed copy."""
+    import torch.nn.functional as F
+
+    with torch.inference_mode():
+        lin = _packable_linear(32, 16, False)
+        x = torch.randn(1, 2, 16).to(torch.bfloat16)
+        lin(x)
+        lin.weight.mul_(3)
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert "_packed" not in lin.__dict__
