@@ -756,4 +756,3 @@ def test_weights_made_under_inference_mode_are_never_packed():
         lin.weight.mul_(3)
         assert torch.equal(lin(x), F.linear(x, lin.weight))
     assert "_packed" not in lin.__dict__
-
