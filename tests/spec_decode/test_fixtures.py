@@ -353,18 +353,21 @@ def test_plugin_missing_fixtures_skip_naming_the_path(plugin_run, tmp_path):
 # ------------------------------------------------------------------ the build: resumable training, the goal table
 
 
+class StopAfter:
+    """A stand-in for make_fixtures.CLOCK: ``must_stop`` turns true at its n-th call."""
+
+    def __init__(self, n):
+        self.calls, self.n = 0, n
+
+    def must_stop(self):
+        self.calls += 1
+        return self.calls >= self.n
+
+
 def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_path, monkeypatch):
     """Stopping mid-run and rerunning replays the uninterrupted run bit for bit (schedule, data, optimizer)."""
     model = lambda: torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
     cfg = dict(steps=7, lr=1e-2, warmup=2, eval_every=3)
-
-    class StopAfter:
-        def __init__(self, n):
-            self.calls, self.n = 0, n
-
-        def must_stop(self):
-            self.calls += 1
-            return self.calls >= self.n
 
     def run(stage, stop_after):
         torch.manual_seed(0)
@@ -417,14 +420,6 @@ def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path
     monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
     seen = []
 
-    class StopAt:
-        def __init__(self, n):
-            self.calls, self.n = 0, n
-
-        def must_stop(self):
-            self.calls += 1
-            return self.calls >= self.n
-
     def run(precision, stop_after):
         net = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -440,7 +435,7 @@ def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path
             return {"loss": loss.detach()}
 
         monkeypatch.setattr(make_fixtures, "PRECISION", precision)
-        monkeypatch.setattr(make_fixtures, "CLOCK", StopAt(stop_after))
+        monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(stop_after))
         return make_fixtures.train_resumable("p", net, opt, torch.Generator(), dict(steps=4, lr=0.1, warmup=1),
                                              step_fn)
 
