@@ -417,15 +417,17 @@ class Linear(nn.Linear):
     def _packed_weight(self, x: Tensor) -> Tensor | None:
         """The packed weight, (re)built when the weight changed; None where packing does not apply."""
         w = self.weight
-        if w.is_inference():   # no version counter: an in-place change could not be seen
+        # compiled graphs keep F.linear (the compiler fuses around it); inference tensors keep no
+        # version counter, so an in-place change could not be seen
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or w.is_inference():
             return None
         key = (w.data_ptr(), w._version)
         cached = self.__dict__.get("_packed")
         if cached is not None and cached[0] == key:
             return cached[1]
-        if (self.packed is None and not onednn_bf16_native()) or torch.compiler.is_compiling():
+        if self.packed is None and not onednn_bf16_native():
             return None
-        if w.dtype is not torch.bfloat16 or w.device.type != "cpu" or x.device.type != "cpu":
+        if w.dtype is not torch.bfloat16 or w.device.type != "cpu":
             return None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         self.__dict__["_packed"] = (key, packed)
