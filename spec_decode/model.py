@@ -329,8 +329,11 @@ class KVCache:
 
     def write_rows(self, layer: int, row_index: Tensor, k: Tensor, v: Tensor) -> None:
         """``write`` with the index from ``row_index``, built once per forward rather than once per layer."""
+        # each on its own: under autocast k (roped against a float32 table) and v can differ
         if k.dtype != self.k.dtype:
-            k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+            k = k.to(self.k.dtype)
+        if v.dtype != self.v.dtype:
+            v = v.to(self.v.dtype)
         self.k[layer].scatter_(2, row_index, k)
         self.v[layer].scatter_(2, row_index, v)
 

@@ -756,3 +756,13 @@ def test_weights_made_under_inference_mode_are_never_packed():
         lin.weight.mul_(3)
         assert torch.equal(lin(x), F.linear(x, lin.weight))
     assert "_packed" not in lin.__dict__
+
+
+def test_cache_write_casts_k_and_v_each_to_the_cache_dtype():
+    """Under autocast k and v of one write can arrive in different dtypes (k roped in float32)."""
+    cache = KVCache.empty(1, 1, 1, 4, 2, dtype=torch.float32)
+    k = torch.tensor([[[[1.5, -2.0]]]])                        # float32
+    v = torch.tensor([[[[0.25, 3.0]]]], dtype=torch.bfloat16)   # bf16
+    cache.write(0, torch.tensor([[1]]), k, v)
+    assert cache.k[0, 0, 0, 1].tolist() == [1.5, -2.0] and cache.v[0, 0, 0, 1].tolist() == [0.25, 3.0]
+    assert cache.k.dtype == cache.v.dtype == torch.float32
