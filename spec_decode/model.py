@@ -28,6 +28,7 @@ error) and triggers a device-side assert on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -360,7 +361,7 @@ class KVCache:
             j = torch.arange(rel_idx.shape[1], device=rel_idx.device)
             keep = j[None, :] < num[:, None]  # (B, A)
             dst = self.lengths[:, None] + j[None, :]  # (B, A)
-            # rows beyond num move onto themselves: a no-op that keeps the scatter free of conflicts
+            # rows beyond num move onto themselves: a no-op that keeps every destination written once
             src = torch.where(keep, self.lengths[:, None] + rel_idx, dst)
             slot = torch.arange(self.batch_size, device=src.device)[:, None].expand_as(src)  # (B, A)
             for buf in (self.k, self.v):
@@ -437,20 +438,14 @@ class Linear(nn.Linear):
         return packed
 
 
-_ONEDNN_BF16: list[bool] = []
-
-
+@functools.cache
 def onednn_bf16_native() -> bool:
     """True when this CPU runs oneDNN's bf16 kernels (AVX-512 BW and up) and torch has the packed op."""
-    if not _ONEDNN_BF16:
-        ok = False
-        try:
-            ok = (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                  and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-        except (AttributeError, RuntimeError):
-            ok = False
-        _ONEDNN_BF16.append(bool(ok))
-    return _ONEDNN_BF16[0]
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def set_packed_linears(module: nn.Module, on: bool | None) -> None:

@@ -515,11 +515,9 @@ SHIPPED_EAGLE3_CHECKSUMS = {
 
 def _cpu_kernel_kind() -> str:
     """The CPU kind for recorded bits: "avx512_bf16" (native bf16), else torch's capability ("AVX2", ...)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
-    return "avx512_bf16" if "avx512_bf16" in flags else torch.backends.cpu.get_cpu_capability()
+    from spec_decode.dtypes import cpu_has_native_bf16
+
+    return "avx512_bf16" if cpu_has_native_bf16() else torch.backends.cpu.get_cpu_capability()
 
 
 def _sha16(t):
