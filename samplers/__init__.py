@@ -42,7 +42,7 @@ from .draws import row_uniform, sample_without_replacement
 from .output import SamplerOutput
 from ._params import SamplingParams
 from .probs import PLACEHOLDER_TOKEN_ID, logits_to_probs, sample
-from .tree import TreeVerifyResult, tree_verify
+from .tree import TreeVerifyResult, greedy_tree_verify, tree_verify
 from .verify import chain_speculative_sampling, greedy_verify
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "TreeVerifyResult",
     "chain_speculative_sampling",
     "clean_probs",
+    "greedy_tree_verify",
     "greedy_verify",
     "logits_to_probs",
     "row_uniform",

@@ -66,6 +66,16 @@ def prepare_logits(
     return Prepared(work, nonfinite, dead)
 
 
+def argmax_dtype(logits: torch.Tensor) -> torch.dtype | None:
+    """The dtype to take an argmax of ``logits`` in (for ``prepare_logits``): the same ids either way.
+
+    float32 on CPU, where a bfloat16/float16 argmax is not vectorised: 75 us for 5 x 4096 bf16
+    logits against 26 us for the upcast and a float32 argmax. Elsewhere None (the logits' own dtype,
+    no copy).
+    """
+    return torch.float32 if logits.device.type == "cpu" else None
+
+
 def raise_if_nan_rows(*tensors: torch.Tensor | None) -> None:
     """Raise NanLogitsError naming the batch rows whose given tensors hold NaN (Inf is fine).
 

@@ -20,7 +20,7 @@ import torch
 
 from numerics import NanPolicy
 from samplers import _rejection
-from samplers._nan import clean_probs, prepare_logits, raise_if_nan_probs
+from samplers._nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
 from samplers._params import (
     SamplingParams,
     check_device,
@@ -94,11 +94,39 @@ def _analyse_tree(parents: torch.Tensor) -> _Tree:
         depth = depth + depth.gather(1, jump)
         jump = jump.gather(1, jump)
     reachable = real & (jump == 0)  # the chain ends at the root, not at a padding node
-    depth = depth * reachable
+    return _with_siblings(parents, reachable, depth * reachable)
+
+
+def _tree_from_ancestors(parents: torch.Tensor, ancestors: torch.Tensor) -> _Tree:
+    """``_analyse_tree`` read off a self-or-ancestor mask [B, N, N] instead of pointer jumping.
+
+    A node is reachable when the root is among its ancestors; its depth is its ancestor count.
+    """
+    n = parents.shape[1]
+    reachable = ancestors[:, :, 0] & (torch.arange(n, device=parents.device) > 0)
+    depth = (ancestors.sum(2) - 1) * reachable
+    return _with_siblings(parents, reachable, depth)
+
+
+def _with_siblings(parents: torch.Tensor, reachable: torch.Tensor, depth: torch.Tensor) -> _Tree:
+    n = parents.shape[1]
     earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)  # [j, j'] : j' < j
     older_sibling = (parents.unsqueeze(2) == parents.unsqueeze(1)) & earlier  # [B, N, N]
     rank = (older_sibling & reachable.unsqueeze(1)).sum(2)
     return _Tree(parents, reachable, depth, rank, older_sibling)
+
+
+def _ancestor_mask(tree: _Tree) -> torch.Tensor:
+    """Self-or-ancestor relation [B, N, N] bool of reachable nodes (the root and padding: themselves)."""
+    batch, n = tree.parents.shape
+    idx = torch.arange(n, device=tree.parents.device).expand(batch, n)
+    eye = torch.eye(n, dtype=torch.bool, device=tree.parents.device).expand(batch, n, n)
+    step = torch.where(tree.reachable, tree.parents, idx)  # root and padding point to themselves
+    mask, hop = eye.clone(), step
+    for _ in range(max(n - 1, 0)):
+        mask |= eye.gather(1, hop.unsqueeze(-1).expand(batch, n, n))
+        hop = step.gather(1, hop)
+    return mask
 
 
 def _check_count(value, name):
@@ -107,6 +135,33 @@ def _check_count(value, name):
     if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
         raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
     return int(value)
+
+
+def _check_tree_args(tree_token_ids, tree_parents, target_logits) -> tuple[int, int, int, torch.device]:
+    """The checks every tree verifier makes; returns (B, N, V, device)."""
+    check_int_tensor(tree_token_ids, "tree_token_ids", 2)
+    check_int_tensor(tree_parents, "tree_parents", 2)
+    check_float_tensor(target_logits, "target_logits", 3)
+    batch, n = tree_token_ids.shape
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    if n < 1:
+        raise ValueError("tree_token_ids must hold at least the root node (N >= 1)")
+    check_vocab(vocab, "target_logits")
+    check_shape(tree_parents, "tree_parents", (batch, n))
+    check_shape(target_logits, "target_logits", (batch, n, vocab))
+    check_device(tree_token_ids, "tree_token_ids", device)
+    check_device(tree_parents, "tree_parents", device)
+    return batch, n, vocab, device
+
+
+def _tree_bounds(tree: _Tree) -> tuple[int, int]:
+    """(deepest node, most children of one node) over the batch. ONE host sync: loop bounds are ints."""
+    zero = tree.depth.new_zeros(1)  # keeps max() defined for B = 0
+    widest = ((tree.rank + 1) * tree.reachable).flatten()
+    bounds = torch.stack([torch.cat([tree.depth.flatten(), zero]).max(), torch.cat([widest, zero]).max()])
+    deepest, widest = bounds.tolist()   # host sync, documented: the caller passed no bound
+    return deepest, widest
 
 
 def tree_verify(
@@ -185,19 +240,7 @@ def tree_verify(
     affected rows (policy ``off``: nothing is checked, both are None); ids are always in
     [0, V).
     """
-    check_int_tensor(tree_token_ids, "tree_token_ids", 2)
-    check_int_tensor(tree_parents, "tree_parents", 2)
-    check_float_tensor(target_logits, "target_logits", 3)
-    batch, n = tree_token_ids.shape
-    vocab = target_logits.shape[-1]
-    device = target_logits.device
-    if n < 1:
-        raise ValueError("tree_token_ids must hold at least the root node (N >= 1)")
-    check_vocab(vocab, "target_logits")
-    check_shape(tree_parents, "tree_parents", (batch, n))
-    check_shape(target_logits, "target_logits", (batch, n, vocab))
-    check_device(tree_token_ids, "tree_token_ids", device)
-    check_device(tree_parents, "tree_parents", device)
+    batch, n, vocab, device = _check_tree_args(tree_token_ids, tree_parents, target_logits)
     if draft_probs is not None:
         check_float_tensor(draft_probs, "draft_probs", 3)
         check_shape(draft_probs, "draft_probs", (batch, n, vocab))
@@ -215,11 +258,7 @@ def tree_verify(
         _check_tree_values(tree, tokens, vocab)
     need_children = draft_probs is not None and max_children is None
     if max_depth is None or need_children:
-        # ONE host sync: the loop bounds are Python ints. Pass max_depth/max_children to avoid it.
-        zero = tree.depth.new_zeros(1)  # keeps max() defined for B = 0
-        widest = ((tree.rank + 1) * tree.reachable).flatten()
-        bounds = torch.stack([torch.cat([tree.depth.flatten(), zero]).max(), torch.cat([widest, zero]).max()])
-        deepest, widest = bounds.tolist()
+        deepest, widest = _tree_bounds(tree)
         max_depth = deepest if max_depth is None else max_depth
         max_children = widest if max_children is None else max_children
 
@@ -237,10 +276,66 @@ def tree_verify(
     if params.all_greedy:
         # Every row greedy: the argmax per node is all it takes (q is not consulted), and the path
         # follows from per-node tests without walking the levels.
-        return _greedy_paths(walk, prep.work.argmax(-1), max_depth, nonfinite, prep.dead)
+        return _greedy_paths(tree, walk.tokens, token_ok, prep.work.argmax(-1), max_depth, nonfinite,
+                             prep.dead)
     # reshape, not view: the caller's logits may be non-contiguous (policy off keeps them).
     probs = process_logits(prep.work.reshape(batch * n, vocab), params.repeat(n)).reshape(batch, n, vocab)
     return _descend(walk, probs, q_all, max_depth, max_children or 0, nonfinite, prep.dead)
+
+
+def greedy_tree_verify(
+    tree_token_ids: torch.Tensor,
+    tree_parents: torch.Tensor,
+    target_logits: torch.Tensor,
+    *,
+    ancestor_mask: torch.Tensor | None = None,
+    nan_policy: NanPolicy | str | None = None,
+    max_depth: int | None = None,
+    check_inputs: bool = False,
+) -> TreeVerifyResult:
+    """:func:`tree_verify` of a batch whose rows are all greedy (temperature 0), in fewer ops.
+
+    The result is ``tree_verify(..., temperature=0.0)``'s, bit for bit: follow the first
+    child whose token is the target's argmax at its parent, then emit the argmax. It skips
+    the sampling parameters, and with ``ancestor_mask`` the rebuilding of the trees'
+    structure from ``tree_parents``.
+
+    Shape:
+        tree_token_ids, tree_parents, target_logits: as :func:`tree_verify`.
+        ancestor_mask: None, or [B, N, N] bool, ``ancestor_mask[b, i, j]`` = node j is node i
+            or an ancestor of node i, where padding nodes are their own only ancestor (a
+            drafter's verify mask, e.g. ``DraftTree.tree_mask``). It must agree with
+            ``tree_parents``; ``check_inputs=True`` checks that (one host sync).
+        returns: :class:`TreeVerifyResult` with D = ``max_depth``.
+
+    ``max_depth`` as in :func:`tree_verify` (None: ONE host sync computes it). NaN: as
+    :func:`tree_verify` (the argmax of a sanitized copy of the logits).
+    """
+    batch, n, vocab, device = _check_tree_args(tree_token_ids, tree_parents, target_logits)
+    max_depth = _check_count(max_depth, "max_depth")
+    parents = tree_parents.long()
+    if ancestor_mask is None:
+        tree = _analyse_tree(parents)
+    else:
+        if not isinstance(ancestor_mask, torch.Tensor) or ancestor_mask.dtype != torch.bool:
+            raise ValueError(f"ancestor_mask must be a bool tensor [B, N, N], got "
+                             f"{getattr(ancestor_mask, 'dtype', type(ancestor_mask).__name__)}")
+        check_shape(ancestor_mask, "ancestor_mask", (batch, n, n))
+        check_device(ancestor_mask, "ancestor_mask", device)
+        tree = _tree_from_ancestors(parents, ancestor_mask)
+    tokens = tree_token_ids.long()
+    if check_inputs:
+        exact = _analyse_tree(parents) if ancestor_mask is not None else tree
+        _check_tree_values(exact, tokens, vocab)
+        if ancestor_mask is not None and not torch.equal(ancestor_mask, _ancestor_mask(exact)):
+            raise ValueError("ancestor_mask does not match tree_parents: ancestor_mask[b, i, j] must be True "
+                             "exactly when node j is node i or one of its ancestors")
+    if max_depth is None:
+        max_depth = _tree_bounds(tree)[0]
+    prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits))
+    token_ok = (tokens >= 0) & (tokens < vocab)
+    return _greedy_paths(tree, tokens.clamp(0, vocab - 1), token_ok, prep.work.argmax(-1), max_depth,
+                         prep.nonfinite, prep.dead, ancestors=ancestor_mask)
 
 
 @dataclass(frozen=True)
@@ -253,29 +348,34 @@ class _Walk:
     without_replacement: bool
 
 
-def _greedy_paths(walk, argmax_ids, depth_bound, nonfinite, dead) -> TreeVerifyResult:
+def _greedy_paths(tree: _Tree, tokens, token_ok, argmax_ids, depth_bound, nonfinite, dead,
+                  ancestors: torch.Tensor | None = None) -> TreeVerifyResult:
     """Greedy verification of every row at once: what the level walk gives, in a fixed ~40 ops.
 
     Node i passes when its token is the argmax at its parent, it is reachable with an in-range
     token and lies within ``depth_bound``, and no earlier sibling passes (the walk follows the
-    first match in index order). It is accepted when it and all its ancestors pass (pointer
-    jumping, as in ``_analyse_tree``). At most one node per depth is accepted: two would need two
-    accepted siblings below their common ancestor, and only the first passing sibling does.
+    first match in index order). It is accepted when it and all its ancestors pass (read off
+    ``ancestors``, the self-or-ancestor mask, when given; else by pointer jumping, as in
+    ``_analyse_tree``). At most one node per depth is accepted: two would need two accepted
+    siblings below their common ancestor, and only the first passing sibling does.
 
-    Shape: argmax_ids [B, N] -> TreeVerifyResult with D = depth_bound.
+    Shape: tokens (clamped into [0, V)), token_ok, argmax_ids [B, N]; ancestors [B, N, N] or None
+    -> TreeVerifyResult with D = depth_bound.
     """
-    tree, tokens = walk.tree, walk.tokens
     batch, n = tokens.shape
     device = tokens.device
     idx = torch.arange(n, device=device)
-    passes = (tree.reachable & walk.token_ok & (tree.depth <= depth_bound)
+    passes = (tree.reachable & token_ok & (tree.depth <= depth_bound)
               & (tokens == argmax_ids.gather(1, tree.parents.clamp(min=0))))
     passes = passes & ~(tree.older_sibling & passes.unsqueeze(1)).any(2)
     accepted = passes | (idx == 0)
-    jump = torch.where(tree.reachable, tree.parents, idx)  # root and padding point to themselves
-    for _ in range(max(n, 1).bit_length()):
-        accepted = accepted & accepted.gather(1, jump)
-        jump = jump.gather(1, jump)
+    if ancestors is not None:
+        accepted = accepted & ~(ancestors & ~accepted.unsqueeze(1)).any(2)
+    else:
+        jump = torch.where(tree.reachable, tree.parents, idx)  # root and padding point to themselves
+        for _ in range(max(n, 1).bit_length()):
+            accepted = accepted & accepted.gather(1, jump)
+            jump = jump.gather(1, jump)
     levels = torch.arange(1, depth_bound + 1, device=device)
     at_level = accepted.unsqueeze(1) & (tree.depth.unsqueeze(1) == levels[:, None])  # [B, D, N]
     node, on_path = _first_true(at_level)

@@ -11,7 +11,7 @@ import torch
 
 from numerics import NanPolicy, dead_row_mask
 from samplers import _rejection
-from samplers._nan import clean_probs, prepare_logits, raise_if_nan_probs
+from samplers._nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
 from samplers._params import (
     check_device,
     check_float_tensor,
@@ -82,8 +82,7 @@ def greedy_verify(
     check_device(draft_token_ids, "draft_token_ids", target_logits.device)
     if check_inputs:
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
-    # argmax needs no float32 upcast: sanitize a copy in the logits' own dtype.
-    prep = prepare_logits(target_logits, nan_policy, dtype=None)
+    prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits))
     best = prep.work.argmax(-1)  # [B, K+1]
     draft = draft_token_ids.long()
     num = _leading_true(draft == best[:, :k])  # out-of-range ids never equal an argmax

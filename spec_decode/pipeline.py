@@ -40,8 +40,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
-from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_verify,
-                      logits_to_probs, sample, tree_verify)
+from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_tree_verify,
+                      greedy_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.drafting import DraftSampling, Drafter, check_score_temperature, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
@@ -419,7 +419,8 @@ class SpecDecoder:
     def _verify(self, tree, logits, batch) -> "_Verified":
         """Verify the batch's trees: ``tree_verify``, or the chain verifiers for chains (``topk=1``).
 
-        An all-greedy chain goes through ``greedy_verify`` (argmax match, no walk). A chain with
+        An all-greedy chain goes through ``greedy_verify`` (argmax match, no walk), an all-greedy
+        tree through ``greedy_tree_verify`` with the tree's own mask as its ancestor relation. A chain with
         sampled rows goes through ``chain_speculative_sampling``: the same
         law as the tree walk's recursive rejection with one child per node, in far fewer ops. Greedy
         rows of a mixed batch get a one-hot q on their (top-1) draft, the deterministic-draft rule.
@@ -433,6 +434,10 @@ class SpecDecoder:
         if self.topk == 1 and s.all_greedy:   # the tree is a chain: no walk needed
             out = greedy_verify(tree.tokens[:, 1:], logits, nan_policy="off")
             return _Verified(out.output_token_ids, out.num_emitted, chain_path(out.num_emitted))
+        if s.all_greedy:   # the drafter's verify mask is the trees' ancestor relation: nothing to rebuild
+            res = greedy_tree_verify(tree.tokens, tree.parents, logits, ancestor_mask=tree.tree_mask,
+                                     max_depth=tree.max_depth, nan_policy="off")
+            return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
         if self.topk > 1:
             res = tree_verify(tree.tokens, tree.parents, logits, generator=batch.generators, nan_policy="off",
                               max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,

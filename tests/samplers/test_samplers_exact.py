@@ -8,6 +8,7 @@ import torch
 from samplers import (
     PLACEHOLDER_TOKEN_ID,
     chain_speculative_sampling,
+    greedy_tree_verify,
     greedy_verify,
     logits_to_probs,
     sample,
@@ -152,6 +153,84 @@ def test_tree_greedy_fast_path_equals_the_level_walk(max_depth):
     assert fast.num_emitted.tolist() == walked.num_emitted.tolist()
     if max_depth != 0:   # the trees do accept: the comparison is not vacuous
         assert fast.num_emitted.float().mean() > 1.5
+
+
+
+def _random_trees(g, B, N):
+    """Random parents with padding, forward references and orphans (as the walk test above)."""
+    well_formed = torch.arange(N) - 1 - (torch.rand(B, N, generator=g) * torch.arange(N)).long()  # in [-1, i)
+    parents = torch.where(torch.rand(B, N, generator=g) < 0.9, well_formed, torch.randint(-1, N, (B, N), generator=g))
+    parents[:, 0] = -1
+    return parents
+
+
+def _reference_ancestors(parents):
+    """Self-or-ancestor mask by walking each node up on the host: a node that reaches the root sees its
+    ancestors; padding (a parent not in [0, i), or below such a node) sees only itself."""
+    B, N = parents.shape
+    mask = torch.eye(N, dtype=torch.bool).repeat(B, 1, 1)
+    for b in range(B):
+        for i in range(1, N):
+            chain, j = [], i
+            while j > 0 and 0 <= parents[b, j] < j:
+                j = int(parents[b, j])
+                chain.append(j)
+            if j == 0:
+                mask[b, i, chain] = True
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_depth", [None, 0, 2, 8])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_greedy_tree_verify_equals_the_level_walk(dtype, max_depth, with_mask):
+    """``greedy_tree_verify`` gives the walk's result bit for bit, with or without the ancestor mask, on
+    random trees (padding, orphans, duplicate sibling tokens, out-of-range tokens), in every logits dtype,
+    with NaN and Inf in the logits (nonfinite and dead rows reported the same)."""
+    g = torch.Generator().manual_seed(11 + (max_depth or 0))
+    B, N, vocab = 256, 9, 3   # a small vocabulary: many matches and duplicate siblings
+    parents = _random_trees(g, B, N)
+    tokens = torch.randint(0, vocab + 1, (B, N), generator=g)                 # vocab itself is out of range
+    logits = torch.randn(B, N, vocab, generator=g)
+    logits[torch.rand(B, N, vocab, generator=g) < 0.03] = float("nan")
+    logits[torch.rand(B, N, vocab, generator=g) < 0.03] = float("inf")
+    logits[:3, 2] = float("nan")                                            # dead rows
+    logits = logits.to(dtype)
+    mask = _reference_ancestors(parents) if with_mask else None
+    walked = tree_verify(tokens, parents, logits, temperature=torch.zeros(B), max_depth=max_depth,
+                         nan_policy="sanitize")
+    got = greedy_tree_verify(tokens, parents, logits, ancestor_mask=mask, max_depth=max_depth,
+                             nan_policy="sanitize")
+    for field in ("accepted_node_ids", "output_token_ids", "num_emitted", "nonfinite_rows", "dead_rows"):
+        assert torch.equal(getattr(got, field), getattr(walked, field)), field
+    if max_depth != 0:   # the trees do accept: the comparison is not vacuous
+        assert got.num_emitted.float().mean() > 1.5
+
+
+def test_greedy_tree_verify_needs_every_ancestor_to_pass():
+    """Node 2 matches the argmax at its parent 1, but 1 does not match at the root: nothing is accepted.
+    A verifier that read only each node's own test (no ancestors) would accept node 2."""
+    tokens, parents = torch.tensor([[0, 4, 6]]), torch.tensor([[-1, 0, 1]])
+    logits = _tree_logits([[3, 6, 1]])
+    mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
+    for m in (None, mask):
+        res = greedy_tree_verify(tokens, parents, logits, ancestor_mask=m, max_depth=2)
+        assert res.output_token_ids.tolist() == [[3, -1, -1]] and res.num_emitted.tolist() == [1]
+
+
+def test_greedy_tree_verify_refuses_a_bad_ancestor_mask_by_name():
+    tokens, parents = torch.tensor([[0, 4, 6]]), torch.tensor([[-1, 0, 1]])
+    logits = _tree_logits([[3, 6, 1]])
+    good = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 1, 1]]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="ancestor_mask must be a bool"):
+        greedy_tree_verify(tokens, parents, logits, ancestor_mask=good.long())
+    with pytest.raises(ValueError, match="ancestor_mask"):
+        greedy_tree_verify(tokens, parents, logits, ancestor_mask=good[:, :2])
+    assert greedy_tree_verify(tokens, parents, logits, ancestor_mask=good, check_inputs=True).num_emitted.tolist() == [1]
+    wrong = good.clone()
+    wrong[0, 2, 1] = False   # node 2 would not see its parent
+    with pytest.raises(ValueError, match="ancestor_mask does not match tree_parents"):
+        greedy_tree_verify(tokens, parents, logits, ancestor_mask=wrong, check_inputs=True)
 
 
 def test_tree_greedy_with_draft_probs_ignores_q():

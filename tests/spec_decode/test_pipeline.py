@@ -76,6 +76,24 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_gree
     assert sum(lengths) / len(lengths) > 2.5
 
 
+
+def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkeypatch):
+    """All-greedy tree steps go through ``greedy_tree_verify`` with the drafter's mask (lossless, and no
+    ``tree_verify`` call); a batch with a sampled request still walks with ``tree_verify``."""
+    import spec_decode.pipeline as pipeline
+
+    seen = []
+    for name in ("greedy_tree_verify", "tree_verify"):
+        orig = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
+    dec = _decoder(models, "draft_model", drafter=models["target"], **TREE)
+    assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
+    assert seen and set(seen) == {"greedy_tree_verify"}
+    seen.clear()
+    dec.generate(PROMPTS, max_new_tokens=8, temperature=[0.0, 1.0, 0.0, 0.0], seed=3)
+    assert set(seen) == {"tree_verify"}
+
+
 @pytest.mark.parametrize("temp", [0.5, 1e-3, 4.0])
 def test_greedy_trees_scored_at_any_temperature_stay_lossless(models, ar_greedy, temp):
     """tree_score_temperature changes which candidates a greedy tree keeps, never the output."""
