@@ -421,7 +421,7 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
         key = torch.where(sampling.sampled[:, None], torch.where(kept_flag, 0.0, float("-inf")), scores)
     order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :keep]
     chosen = torch.sort(order, dim=1).values                                    # parents before children
-    real = torch.ones_like(chosen, dtype=torch.bool)
+    real = None   # greedy trees are full: every chosen place is a real node
     if sampling is not None:
         real = ~sampling.sampled[:, None] | kept_flag.gather(1, chosen)
     node_of_pool = torch.full((B, P), NO_PARENT, dtype=torch.long, device=device)
@@ -429,7 +429,8 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     pool_parent = parents.gather(1, chosen)
     node_parent = torch.where(pool_parent >= 0, node_of_pool.gather(1, pool_parent.clamp(min=0)),
                               torch.zeros_like(pool_parent))
-    node_parent = torch.where(real, node_parent, NO_PARENT)
+    if real is not None:
+        node_parent = torch.where(real, node_parent, NO_PARENT)
     minus_one = torch.full((B, 1), NO_PARENT, dtype=torch.long, device=device)
     all_parents = torch.cat([minus_one, node_parent], 1)
     all_tokens = torch.cat([root[:, None], tokens.gather(1, chosen)], 1)
@@ -437,11 +438,13 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     # The verify mask from the pool's ancestor sets: rows and columns of the chosen entries, plus the root.
     anc = pool.anc.gather(1, chosen[:, :, None].expand(B, keep, P)).gather(
         2, chosen[:, None, :].expand(B, keep, keep))
-    anc = anc & real[:, :, None] & real[:, None, :]
+    if real is not None:
+        anc = anc & real[:, :, None] & real[:, None, :]
     anc = anc | torch.eye(keep, dtype=torch.bool, device=device)
     mask = torch.zeros(B, keep + 1, keep + 1, dtype=torch.bool, device=device)
     mask[:, :, 0] = True
-    mask[:, 1:, 0] = real
+    if real is not None:
+        mask[:, 1:, 0] = real
     mask[:, 1:, 1:] = anc
     draft_probs = None
     if sampling is not None:
