@@ -446,6 +446,31 @@ def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path
     assert seen == [("bf16", torch.bfloat16)] * 4
 
 
+
+def test_features_staged_for_other_aux_layers_are_rebuilt(make_fixtures, tmp_path, monkeypatch):
+    """Staged features record their aux layers: those of another recipe are rebuilt, not reused (an EAGLE-3
+    head trained on them would silently keep the old layers). The recipe's high layer is the last one."""
+    class Rebuilding(Exception):
+        pass
+
+    def load_target(*args, **kwargs):
+        raise Rebuilding
+
+    monkeypatch.setattr(make_fixtures, "WORK_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures, "STATS_DIR", tmp_path / "stats")
+    monkeypatch.setattr(make_fixtures, "load_target", load_target)
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "features.pt").write_bytes(b"")
+    wanted = list(make_fixtures.eagle3_aux_layers(make_fixtures.TARGET_CFG["num_hidden_layers"]))
+    assert wanted == [1, 5, 11]
+    stats = tmp_path / "stats" / "features.json"
+    stats.write_text(json.dumps({"aux_layers": wanted}))
+    make_fixtures.stage_features(force=False)   # the recipe's layers: kept
+    stats.write_text(json.dumps({"aux_layers": [1, 5, 8]}))
+    with pytest.raises(Rebuilding):
+        make_fixtures.stage_features(force=False)
+
+
 def test_stage_lr_anneals_a_shortened_cosine_to_its_floor(make_fixtures):
     """A stage cut short keeps its cosine up to `anneal_from`, then falls linearly to the cosine's floor."""
     plain = dict(steps=100, lr=1.0, warmup=10)
