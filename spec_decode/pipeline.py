@@ -8,8 +8,7 @@ One step, for every active request at once:
    > 0 draw their drafts from the drafter's distribution q (``draft_sampling``), greedy ones take
    the drafter's top-k;
 3. **verify**: one target forward over the tree (dtype ``bfloat16`` by default), one
-   ``nonfinite_counts_per_request(..., sanitize=True)`` pass over its logits and the drafter's
-   first-depth logits together (each site counted on its own), then
+   ``nonfinite_counts_per_request(..., sanitize=True)`` pass over its logits, then
    ``samplers.tree_verify`` (recursive rejection with q for sampled drafts);
 4. **commit** only the accepted path's target KV; the emitted tokens and their features become
    the next catch-up's input.
