@@ -39,7 +39,7 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from numerics import NanLogitsError, NanPolicy, NonfiniteCounts, nonfinite_counts_per_request, raise_if_nan_logits
+from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
 from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_tree_verify,
                       greedy_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.drafting import DraftSampling, Drafter, check_score_temperature, draft_tree
@@ -381,9 +381,7 @@ class SpecDecoder:
         with self.phase_timer("drafting"):
             first_logits, first_hidden = self._catch_up(batch)
             plan.apply(first_logits, step, "draft_logits", batch.active)
-            # counted with the target's rows after the verify forward, in one pass: a copy, since
-            # drafting sanitizes float32 logits in place
-            draft_row = None if self.nan_policy is NanPolicy.OFF else first_logits.clone()
+            draft_counts = self._nan_pass(first_logits, 1, sanitize=False)
             tree = draft_tree(self.drafter, batch.draft_cache, batch.root, first_logits, first_hidden,
                               num_steps=steps, topk=self.topk, num_draft_tokens=N,
                               kv_len=max(batch.draft_len), sampling=self._draft_sampling(batch),
@@ -399,8 +397,8 @@ class SpecDecoder:
                               aux_layers=self.drafter.aux_layers, kv_len=max(batch.target_len) + N)
         with self.phase_timer("verify_walk"):
             plan.apply(out.logits, step, "target_logits", batch.active)
-            logits, counts, draft_counts = self._step_nan_pass(draft_row, out.logits)
-            res = self._verify(tree, logits, batch)
+            counts = self._nan_pass(out.logits.view(B * N, -1), N)
+            res = self._verify(tree, out.logits, batch)
             host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
         with self.phase_timer("bookkeeping"):
             num_host = [h.num for h in host]
@@ -505,31 +503,6 @@ class SpecDecoder:
         cu = torch.arange(0, (B + 1) * rows_per_request, rows_per_request, device=logits2d.device,
                           dtype=torch.int32)
         return nonfinite_counts_per_request(logits2d, cu, sanitize=sanitize)
-
-    def _step_nan_pass(self, draft_row: torch.Tensor | None, target_logits: torch.Tensor):
-        """A speculative step's one counting (and sanitizing) pass, over its draft row and target rows.
-
-        The drafter's prediction after the root and the N verify rows of each request form one
-        [B, 1 + N, V] batch: request b's draft row and its target rows are two ranges of
-        ``nonfinite_counts_per_request``, so one pass gives both sites' counts. A reduced draft
-        vocabulary (EAGLE-3) is padded with -inf, which keeps a dead row dead and a live one live,
-        and its Inf count is discounted. Returns (sanitized target logits [B, N, V] (a copy; the
-        logits themselves under ``off``), target counts, draft counts), the counts of [B] tensors
-        or None under ``off``.
-        """
-        if draft_row is None:
-            return target_logits, None, None
-        B, N, V = target_logits.shape
-        pad = V - draft_row.shape[-1]
-        if pad:
-            draft_row = torch.nn.functional.pad(draft_row, (0, pad), value=float("-inf"))
-        rows = torch.cat([draft_row.to(target_logits.dtype)[:, None], target_logits], 1)   # [B, 1 + N, V]
-        k = torch.arange(2 * B + 1, device=rows.device, dtype=torch.int32)
-        cu = torch.div(k, 2, rounding_mode="floor") * (N + 1) + k % 2   # 0, 1, N+1, N+2, 2N+2, ...
-        c = nonfinite_counts_per_request(rows.view(B * (N + 1), V), cu, sanitize=True)
-        target = NonfiniteCounts(c.nan[1::2], c.inf[1::2], c.dead_rows[1::2])
-        draft = NonfiniteCounts(c.nan[0::2], c.inf[0::2] - pad, c.dead_rows[0::2])
-        return rows[:, 1:], target, draft
 
     def _poison_kv(self, batch, plan, step):
         for row, value in plan.rows(step, "kv_cache", batch.active):
