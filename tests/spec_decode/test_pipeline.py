@@ -236,6 +236,24 @@ def test_drafter_side_faults_never_change_greedy_output(models, ar_greedy, site)
         assert [(e.step, e.site) for e in out[1].nan_events] == [(2, "draft_logits")]
 
 
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_draft_and_target_counts_stay_apart(models, method, value):
+    """NaN/Inf in the drafter's logits and in the target's are each reported at their own site, with their
+    own count, kind and dead rows (the EAGLE-3 row over its reduced vocabulary), for the faulted request
+    only; under ``sanitize`` nobody stops."""
+    dec = _decoder(models, method, nan_policy="sanitize", **TREE)
+    vd = dec.drafter.compute_logits(torch.zeros(1, models["target"].config.hidden_size)).shape[-1]
+    kind = "nan" if math.isnan(value) else "inf"
+    out = dec.generate(PROMPTS, max_new_tokens=8, faults=[NanFault(request=1, step=2, site="draft_logits", value=value),
+                                                           NanFault(request=2, step=3, site="target_logits", value=value)])
+    events = {r: [(e.step, e.site, e.kind, e.count, e.dead_rows) for e in out[r].nan_events] for r in range(4)}
+    assert events == {0: [], 1: [(2, "draft_logits", kind, vd, 1)],
+                      2: [(3, "target_logits", kind, TREE["num_draft_tokens"] * 97, TREE["num_draft_tokens"])], 3: []}
+    assert all(r.finish_reason == "length" for r in out)
+
+
 def test_inf_logits_are_sanitized_but_only_nan_triggers_the_policy(models):
     """-inf is a legitimate mask value and +inf clamps to 1e30; the policies count NaN only."""
     _, out = _run_with_fault(models, "abort", NanFault(request=3, step=1, site="target_logits", value=math.inf))
