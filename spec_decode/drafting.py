@@ -231,8 +231,9 @@ class _Expansion:
     Shape: logits [B, F, Vd] -> lp [B, F, k] (score increments: greedy rows the children's
     log-probs, sampled rows the rank scores that decide which draws are kept before they are
     drawn), ids [B, F, k] draft ids, q [B, F, Vd] or None.
-    NaN: the logits are sanitized (on a float32 copy) before ranking or sampling, so a NaN draft
-    never yields a bad id.
+    NaN: the logits are sanitized in float32 before ranking or sampling, so a NaN draft never
+    yields a bad id: on a copy of bf16/fp16 logits, in place for float32 ones (the caller counts
+    a drafter's NaN before expanding its logits).
     """
 
     def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None, score_temperature: float = 1.0):
