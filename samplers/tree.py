@@ -116,17 +116,28 @@ def _with_siblings(parents: torch.Tensor, reachable: torch.Tensor, depth: torch.
     return _Tree(parents, reachable, depth, rank, older_sibling)
 
 
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Self-or-ancestor relation of a parent-pointer forest.
+
+    Shape: parents [B, N] (-1 for roots) -> [B, N, N] bool.
+    ``max_depth`` bounds the longest root-to-node path; the loop runs that many times on device.
+    """
+    B, N = parents.shape
+    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
+    mask = eye.clone()
+    # step[b, i] = parent of i, or i itself for a root; hop = the ancestor k steps up (stays at the root).
+    step = torch.where(parents >= 0, parents, torch.arange(N, device=parents.device).expand(B, N))
+    hop = step
+    for _ in range(max_depth):
+        mask |= torch.gather(eye, 1, hop.unsqueeze(-1).expand(B, N, N))
+        hop = torch.gather(step, 1, hop)
+    return mask
+
+
 def _ancestor_mask(tree: _Tree) -> torch.Tensor:
     """Self-or-ancestor relation [B, N, N] bool of reachable nodes (the root and padding: themselves)."""
-    batch, n = tree.parents.shape
-    idx = torch.arange(n, device=tree.parents.device).expand(batch, n)
-    eye = torch.eye(n, dtype=torch.bool, device=tree.parents.device).expand(batch, n, n)
-    step = torch.where(tree.reachable, tree.parents, idx)  # root and padding point to themselves
-    mask, hop = eye.clone(), step
-    for _ in range(max(n - 1, 0)):
-        mask |= eye.gather(1, hop.unsqueeze(-1).expand(batch, n, n))
-        hop = step.gather(1, hop)
-    return mask
+    n = tree.parents.shape[1]
+    return ancestor_mask(torch.where(tree.reachable, tree.parents, -1), max(n - 1, 0))
 
 
 def _check_count(value, name):

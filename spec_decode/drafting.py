@@ -40,6 +40,7 @@ from torch import Tensor
 
 from numerics import sanitize_nan_logits
 from samplers import logits_to_probs, sample_without_replacement
+from samplers.tree import ancestor_mask  # noqa: F401  (part of this module's API)
 
 NO_PARENT = -1
 
@@ -118,24 +119,6 @@ class DraftSampling:
     top_p: Tensor | None
     generator: torch.Generator | Sequence[torch.Generator] | None
     all_sampled: bool = False
-
-
-def ancestor_mask(parents: Tensor, max_depth: int) -> Tensor:
-    """Self-or-ancestor relation of a parent-pointer forest.
-
-    Shape: parents [B, N] (-1 for roots) -> [B, N, N] bool.
-    ``max_depth`` bounds the longest root-to-node path; the loop runs that many times on device.
-    """
-    B, N = parents.shape
-    eye = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N)
-    mask = eye.clone()
-    # step[b, i] = parent of i, or i itself for a root; hop = the ancestor k steps up (stays at the root).
-    step = torch.where(parents >= 0, parents, torch.arange(N, device=parents.device).expand(B, N))
-    hop = step
-    for _ in range(max_depth):
-        mask |= torch.gather(eye, 1, hop.unsqueeze(-1).expand(B, N, N))
-        hop = torch.gather(step, 1, hop)
-    return mask
 
 
 def sampled_depth_budget(num_steps: int, topk: int, num_draft_tokens: int) -> list[int]:

@@ -27,7 +27,6 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_NAMES)}, got {name!r}") from None
 
 
-
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """True when the CPU flags include ``avx512_bf16`` or ``amx_bf16`` (Linux ``/proc/cpuinfo``;
     ``cpuinfo`` replaces the file's text). Elsewhere bf16 matmuls run emulated, in fp32 units."""
