@@ -394,29 +394,47 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, in bf16 inference on a CPU where oneDNN runs bf16, reuses a packed weight.
+    """``nn.Linear`` that, in CPU inference, reuses a weight packed once for oneDNN where that is faster.
 
-    ``F.linear`` hands a bf16 weight to oneDNN, which lays it out for its kernel again on every
-    call; packing it once (``torch.ops.mkldnn._reorder_linear_weight``) and calling the packed
-    kernel gives bit-identical outputs (tested over shapes, batch sizes and biases) in fewer
-    microseconds: on an AVX-512 EPYC with ``avx512_bf16``, 83 -> 49 us for a one-row
-    192 x 4096 projection, 29 -> 23 us for 192 x 1024. The packed copy costs a second copy of
-    the weight in memory; it is rebuilt when the weight is replaced or changed in place, and
-    ``set_packed_linears(module, False)`` turns it off. Everywhere else (grad mode, CUDA, fp32,
-    fp16, ``torch.compile``, weights created under ``torch.inference_mode``, which keep no version
-    counter), and with ``packed=None`` on a CPU without oneDNN bf16, it is ``nn.Linear``. State
-    dicts are ``nn.Linear``'s.
+    ``F.linear`` hands a weight to its CPU kernel, which lays it out again on every call; packing it once
+    (``torch.ops.mkldnn._reorder_linear_weight``) and calling the packed kernel saves that work:
+
+    * **bf16**, on a CPU where oneDNN runs bf16 (``avx512_bf16``): every projection. Bit-identical
+      to ``F.linear`` (tested over shapes, batch sizes and biases); on an AVX-512 EPYC, 83 -> 49 us
+      for a one-row 192 x 4096 projection, 29 -> 23 us for 192 x 1024.
+    * **fp32**, on an AVX-512 CPU: the wide projections only (``fp32_packs``): at least 1,024
+      outputs over two rows or more, or at least 3,072 outputs on one row. There MKL's small-batch
+      sgemm is slow and oneDNN is not: a 5-row 192 x 4096 projection (a chain's verify lm_head)
+      takes 98-117 us against 207-229 us, a 5-row 192 x 1024 (a gate/up projection) 40 against
+      55-59 us; a one-row 192 x 4096, 64-78 against 87-92 us. Narrower projections, and 1,024
+      outputs on one row, stay faster in ``F.linear``, which they keep. Results equal
+      ``F.linear``'s to float32 rounding (the two libraries sum in different orders on few rows),
+      NaN and Inf included. On other CPUs (AVX2) fp32 is not packed: not measured there.
+
+    The packed copy costs a second copy of the weight in memory; it is rebuilt when the weight is
+    replaced or changed in place, and ``set_packed_linears(module, False)`` turns it off. Everywhere
+    else (grad mode, CUDA, fp16, ``torch.compile``, weights created under ``torch.inference_mode``,
+    which keep no version counter), and with ``packed=None`` on a CPU the rules above leave out, it
+    is ``nn.Linear``. State dicts are ``nn.Linear``'s.
     """
 
-    packed: bool | None = None   # None: on when oneDNN bf16 runs on this CPU (decided at first use)
+    packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype is not torch.bfloat16 or self.packed is False or torch.is_grad_enabled():
+        if self.packed is False or torch.is_grad_enabled() or not self._packs(x):
             return F.linear(x, self.weight, self.bias)
         packed = self._packed_weight(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def _packs(self, x: Tensor) -> bool:
+        """Whether this call's dtype, shape and CPU take the packed path (``packed=True`` skips the CPU check)."""
+        if self.packed is None and not onednn_packing_pays(x.dtype):
+            return False
+        if x.dtype is torch.bfloat16:
+            return True
+        return x.dtype is torch.float32 and fp32_packs(self.out_features, x.numel() // max(1, x.shape[-1]))
 
     def _packed_weight(self, x: Tensor) -> Tensor | None:
         """The packed weight, (re)built when the weight changed; None where packing does not apply."""
@@ -425,17 +443,26 @@ class Linear(nn.Linear):
         # version counter, so an in-place change could not be seen
         if x.device.type != "cpu" or torch.compiler.is_compiling() or w.is_inference():
             return None
-        key = (w.data_ptr(), w._version)
+        key = (w.data_ptr(), w._version, w.dtype)
         cached = self.__dict__.get("_packed")
         if cached is not None and cached[0] == key:
             return cached[1]
-        if self.packed is None and not onednn_bf16_native():
+        if w.dtype is not x.dtype or w.device.type != "cpu":
             return None
-        if w.dtype is not torch.bfloat16 or w.device.type != "cpu":
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
+        # in fp32; bf16 keeps the layout its bit-identity was tested with
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1 if w.dtype is torch.bfloat16 else 5)
         self.__dict__["_packed"] = (key, packed)
         return packed
+
+
+FP32_PACK_MIN_OUT = 1024            # fp32: outputs from which oneDNN beats F.linear on two rows or more
+FP32_PACK_ONE_ROW_MIN_OUT = 3072    # ... and on one row
+
+
+def fp32_packs(out_features: int, rows: int) -> bool:
+    """Whether an fp32 projection to ``out_features`` over ``rows`` rows takes ``Linear``'s packed path."""
+    return out_features >= FP32_PACK_ONE_ROW_MIN_OUT or (out_features >= FP32_PACK_MIN_OUT and rows >= 2)
 
 
 @functools.cache
@@ -448,8 +475,25 @@ def onednn_bf16_native() -> bool:
         return False
 
 
+@functools.cache
+def onednn_fp32_packing_pays() -> bool:
+    """True on an AVX-512 CPU with oneDNN and the packed op: where ``fp32_packs`` was measured to win."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                    and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_packing_pays(dtype: torch.dtype) -> bool:
+    """Whether ``Linear`` packs ``dtype`` weights on this CPU by default (``packed=None``)."""
+    if dtype is torch.bfloat16:
+        return onednn_bf16_native()
+    return dtype is torch.float32 and onednn_fp32_packing_pays()
+
+
 def set_packed_linears(module: nn.Module, on: bool | None) -> None:
-    """Switch ``Linear``'s packed bf16 CPU path in every linear of ``module`` (None: the automatic choice)."""
+    """Switch ``Linear``'s packed CPU path (bf16 and wide fp32) in every linear of ``module`` (None: automatic)."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.packed = on

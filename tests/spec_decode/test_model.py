@@ -661,7 +661,7 @@ def test_position_ids_outside_the_cache_are_named(model):
         model(torch.tensor([[1, 2]]), cache, position_ids=torch.tensor([[-1, 0]]))
 
 
-# ------------------------------------------------------------------ packed bf16 linears (issue #13)
+# ------------------------------------------------------------------ packed linears (issue #13)
 def _packable_linear(out_f: int, in_f: int, bias: bool, seed: int = 0):
     from spec_decode.model import Linear
 
@@ -716,7 +716,7 @@ def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_leaves_grad_mode_and_other_dtypes_to_f_linear(dtype):
-    """Training needs autograd, which the packed op does not have; fp32 is never packed."""
+    """Training needs autograd, which the packed op does not have; narrow fp32 linears are never packed."""
     lin = _packable_linear(16, 8, True).to(dtype).requires_grad_(True)
     x = torch.randn(2, 8).to(dtype)
     lin(x).sum().backward()
@@ -743,6 +743,48 @@ def test_packed_linears_leave_a_bf16_forward_bit_identical(tmp_path):
         assert torch.equal(a, b)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 4 + 1 and all(("_packed" in m.__dict__) == onednn_bf16_native() for m in linears)
+
+
+@pytest.mark.parametrize("out_f,in_f,rows,packs", [
+    (1024, 192, 2, True), (1024, 192, 5, True), (4096, 192, 1, True), (3072, 192, 1, True),
+    (1024, 192, 1, False), (2048, 192, 1, False), (1023, 192, 8, False), (320, 192, 5, False),
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_fp32_linears_are_packed_on_avx512_and_agree_with_f_linear(out_f, in_f, rows, packs, bias):
+    """fp32 takes oneDNN's packed path only for wide projections (``fp32_packs``) on an AVX-512 CPU. It
+    agrees with F.linear to fp32 rounding, and NaN/Inf land in the same places."""
+    import torch.nn.functional as F
+    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays
+
+    assert fp32_packs(out_f, rows) is packs
+    lin = _packable_linear(out_f, in_f, bias).float()
+    x = torch.randn(1, rows, in_f)
+    x[0, 0, 3] = float("nan")           # row 0 all NaN
+    if rows > 1:
+        x[0, 1, 5] = float("inf")       # row 1: +-Inf and NaN (Inf - Inf)
+    with torch.inference_mode():
+        got = lin(x)
+    want = F.linear(x, lin.weight, lin.bias)
+    assert ("_packed" in lin.__dict__) == (packs and onednn_fp32_packing_pays())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    finite = want.isfinite()
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_packed_fp32_linear_follows_in_place_weight_changes():
+    """A stale packed fp32 weight would serve the old projection: caught by comparing with F.linear."""
+    import torch.nn.functional as F
+
+    lin = _packable_linear(1024, 48, True).float()
+    x = torch.randn(1, 5, 48)
+    with torch.inference_mode():
+        before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(-2)
+    with torch.inference_mode():
+        after = lin(x)
+    torch.testing.assert_close(after, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(before, after)
 
 
 def test_weights_made_under_inference_mode_are_never_packed():
