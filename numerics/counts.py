@@ -77,7 +77,6 @@ def _nonfinite_counts_reference(
     """
     num_rows = logits.shape[0]
     num_reqs = cu_num_rows.shape[0] - 1
-    owner = _row_owner(cu_num_rows, num_rows)  # [num_rows]
     counts = torch.zeros(3, num_reqs + 1, dtype=torch.int32, device=logits.device)
     if logits.device.type == "cpu" and _CPU_ROW_SUM_FILTER:
         # A row whose sum is finite holds no NaN and no Inf (either makes the sum NaN or Inf),
@@ -85,10 +84,14 @@ def _nonfinite_counts_reference(
         # counted entry by entry. The row sum is one vectorized read, ~10x cheaper than
         # counting a boolean mask, and the counts stay exact. nonzero() gives a data-sized
         # tensor: on CPU that reads host memory, no device sync; elsewhere this branch is off.
+        # With no row flagged (the usual case) there is nothing to count: the half-dozen ops
+        # that attribute flagged rows to requests are skipped (~50 us of a 90 us pass).
         flagged = (~torch.isfinite(logits.sum(dim=-1))).nonzero().squeeze(1)  # [n_flagged]
-        counts.index_add_(1, owner.index_select(0, flagged), _row_counts(logits.index_select(0, flagged)))
+        if flagged.numel():
+            owner = _row_owner(cu_num_rows, num_rows)  # [num_rows]
+            counts.index_add_(1, owner.index_select(0, flagged), _row_counts(logits.index_select(0, flagged)))
     else:
-        counts.index_add_(1, owner, _row_counts(logits))
+        counts.index_add_(1, _row_owner(cu_num_rows, num_rows), _row_counts(logits))
     if sanitize:
         _sanitize_reference(logits)
     return NonfiniteCounts(counts[0, :num_reqs], counts[1, :num_reqs], counts[2, :num_reqs])
