@@ -465,24 +465,25 @@ def fp32_packs(out_features: int, rows: int) -> bool:
     return out_features >= FP32_PACK_ONE_ROW_MIN_OUT or (out_features >= FP32_PACK_MIN_OUT and rows >= 2)
 
 
+def _onednn_packed_op_and(cpu_check) -> bool:
+    """oneDNN is available, torch has the packed linear op, and ``cpu_check()`` holds (False on any error)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                    and cpu_check())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @functools.cache
 def onednn_bf16_native() -> bool:
     """True when this CPU runs oneDNN's bf16 kernels (AVX-512 BW and up) and torch has the packed op."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                    and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-    except (AttributeError, RuntimeError):
-        return False
+    return _onednn_packed_op_and(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @functools.cache
 def onednn_fp32_packing_pays() -> bool:
     """True on an AVX-512 CPU with oneDNN and the packed op: where ``fp32_packs`` was measured to win."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                    and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
-    except (AttributeError, RuntimeError):
-        return False
+    return _onednn_packed_op_and(lambda: torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
 
 
 def onednn_packing_pays(dtype: torch.dtype) -> bool:

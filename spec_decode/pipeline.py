@@ -676,8 +676,7 @@ class DepthController:
     def choose(self, regime: str) -> int:
         st = self._state(regime)
         st.steps += 1
-        st.chosen = self._pick(st)
-        return st.chosen
+        return self._pick(st)
 
     def _pick(self, st: "_DepthStats") -> int:
         for depth in (self.max_depth, 0, 1):   # exploration: the deepest depth, a plain step, depth 1
@@ -730,14 +729,12 @@ class _DepthStats:
         self.last_best, self.interval, self.next_probe = -1, probe_every, 0
         self.probe_up = False   # the next probe's direction (flipped before each probe)
         self.retime: int | None = None   # a depth whose last step was not timed
-        self.chosen: int | None = None   # what choose() last returned
         self.warm = [False] * (max_depth + 1)   # a depth's first timed step has run (and was not used)
         self.seed_time: list[float | None] = [None] * (max_depth + 1)   # exploration: first used time
         self.previous: tuple[int, float] | None = None   # the last timed step: (depth, seconds)
         self.pending: tuple[int, float, int, float] | None = None   # a probe awaiting its after-step
         self.slopes: deque = deque(maxlen=cost_window)   # log cost per depth, between drafting depths
         self.plain: deque = deque(maxlen=cost_window)    # (log c(0) - log c(d), d) samples, d >= 1
-        self.reference: float | None = None   # seconds of a step at the current choice (EMA), for ``time``
         self.tries = [0] * (max_depth + 1)
         self.passes = [0] * (max_depth + 1)
         self.steps = 0
@@ -757,7 +754,6 @@ class _DepthStats:
             return
         best = self.last_best
         if depth == best:
-            self.reference = seconds if self.reference is None else 0.8 * self.reference + 0.2 * seconds
             if self.pending is not None:
                 probe, t_probe, ref, t_before = self.pending
                 if ref == best:
@@ -794,14 +790,6 @@ class _DepthStats:
         k = self.slope()
         plain = statistics.median(r + k * (d - 1) for r, d in self.plain) if self.plain else 0.0
         return [plain] + [k * (d - 1) for d in range(1, self.max_depth + 1)]
-
-    @property
-    def time(self) -> list[float | None]:
-        """Estimated seconds per step at each depth, at the speed of the latest steps at the choice."""
-        if self.reference is None or self.last_best < 0:
-            return [None] * (self.max_depth + 1)
-        logs = self.log_costs()
-        return [self.reference * math.exp(c - logs[self.last_best]) for c in logs]
 
     def neighbour(self, best: int) -> int:
         """The depth to probe next: above and below ``best`` in turn (one direction at the ends)."""

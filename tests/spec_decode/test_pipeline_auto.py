@@ -143,7 +143,7 @@ def test_controller_keeps_acceptance_but_not_the_time_of_an_unrepresentative_ste
         ctl.record(1, 1.2, [1], "greedy")
     st = ctl._stats["greedy"]
     assert st.seed_time == [1.0, 1.2, None, None, 1.8]
-    timing = lambda: (list(st.slopes), list(st.plain), st.pending, st.reference)
+    timing = lambda: (list(st.slopes), list(st.plain), st.pending, list(st.seed_time))
     before, tries = timing(), list(st.tries)
     ctl.record(4, None, [1], "greedy")      # untimed: its rejection at level 1 still counts
     assert timing() == before and st.tries[1] == tries[1] + 1 and st.passes[1] == 3
