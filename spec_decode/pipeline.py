@@ -656,8 +656,10 @@ class DepthController:
     Each step it picks the depth with the best expected tokens per unit of cost,
     ``(1 + sum_{j<=d} P(A >= j)) / c(d)``. Exploration: the first steps run the deepest depth
     (acceptance data for every level), a plain step, and depth 1; their times seed the slope and
-    the plain step's cost. Then a neighbour of the current choice runs once every ``probe_every``
-    steps, the depth above and the depth below in turn (one direction at the ends); the interval
+    the plain step's cost. Plain steps are not chosen before ``MIN_FIRST_LEVEL_TRIES`` drafted
+    steps (until then the best drafting depth runs). Then a neighbour of the current choice runs
+    once every ``probe_every`` steps, the depth above and the depth below in turn (one direction at
+    the ends; from plain steps, the best drafting depth, whose steps observe every level); the interval
     doubles (up to 4x) while probes leave the choice unchanged and resets when it changes. Near the
     best depth the rate is flat, so a probe costs a few percent of one step. A depth's first timed
     step is not used (its first calls at new shapes build their kernels: up to 2x slower on CPU).
@@ -686,6 +688,8 @@ class DepthController:
             depth, st.retime = st.retime, None
             return depth
         best = st.best()
+        if best == 0 and st.tries[1] < MIN_FIRST_LEVEL_TRIES:   # too few drafts seen to give up drafting
+            best = st.best_drafting()
         if best != st.last_best:
             st.last_best, st.interval, st.next_probe = best, self.probe_every, st.steps + self.probe_every
         if st.steps >= st.next_probe:
@@ -721,6 +725,9 @@ class DepthController:
 
 
 PRIOR_TRIES = 8   # pseudo-tries that pull a level's pass rate towards the pooled rate
+# Drafted steps seen before plain steps may be chosen: at a 0.6 pass rate, 3 misses in the first 4
+# drafts are 18 % likely, and plain steps observe no acceptance to correct that guess.
+MIN_FIRST_LEVEL_TRIES = 12
 
 
 class _DepthStats:
@@ -792,9 +799,16 @@ class _DepthStats:
         return [plain] + [k * (d - 1) for d in range(1, self.max_depth + 1)]
 
     def neighbour(self, best: int) -> int:
-        """The depth to probe next: above and below ``best`` in turn (one direction at the ends)."""
+        """The depth to probe next: above and below ``best`` in turn (one direction at the ends).
+
+        From plain steps (``best == 0``) the probe is the best drafting depth instead of depth 1:
+        plain steps observe no acceptance, and depth 1 only its first level, so a low early guess
+        of the pass rates would never be corrected.
+        """
         self.probe_up = not self.probe_up
-        if best == self.max_depth or (best > 0 and not self.probe_up):
+        if best == 0:
+            return self.best_drafting()
+        if best == self.max_depth or not self.probe_up:
             return best - 1
         return best + 1
 
@@ -808,15 +822,25 @@ class _DepthStats:
         return [(self.passes[j] + PRIOR_TRIES * pooled) / (self.tries[j] + PRIOR_TRIES)
                 for j in range(1, self.max_depth + 1)]
 
-    def best(self) -> int:
+    def log_rates(self) -> list[float]:
+        """log(expected tokens per step / cost) at every depth 0..max_depth (up to a constant)."""
         logs = self.log_costs()
-        survive, expected, best, best_rate = 1.0, 1.0, 0, -logs[0]
+        rates = [-logs[0]]
+        survive, expected = 1.0, 1.0
         for d, rate in enumerate(self.pass_rates(), start=1):
             survive *= rate
             expected += survive
-            if math.log(expected) - logs[d] > best_rate:
-                best, best_rate = d, math.log(expected) - logs[d]
-        return best
+            rates.append(math.log(expected) - logs[d])
+        return rates
+
+    def best(self) -> int:
+        rates = self.log_rates()
+        return max(range(len(rates)), key=rates.__getitem__)   # ties: the shallowest
+
+    def best_drafting(self) -> int:
+        """The best depth other than a plain step."""
+        rates = self.log_rates()
+        return max(range(1, len(rates)), key=rates.__getitem__)
 
 
 # ---------------------------------------------------------------------- input handling

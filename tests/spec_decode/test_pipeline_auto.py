@@ -116,8 +116,40 @@ def test_controller_keeps_regimes_apart():
     assert ctl.choose("sampled") == 0 and ctl.choose("greedy") == 4
 
 
+def test_controller_keeps_drafting_past_a_few_early_misses():
+    """The first four drafted steps miss at level 1, then every one accepts 3 drafts. Plain steps
+    observe no acceptance, so a controller that settled on them after four misses (it used to)
+    would learn only from rare probes; it drafts until it has seen enough drafts."""
+    cost = lambda d: 1.0 if d == 0 else 1.5 + 0.1 * d   # a drafting step costs 1.5x a plain one and up
+    ctl, picks, drafted = DepthController(5), [], 0
+    for _ in range(150):
+        d = ctl.choose("greedy")
+        drafted += d > 0
+        accepted = 0 if drafted <= 4 else min(3, d)
+        ctl.record(d, cost(d), [1 + accepted], "greedy")
+        picks.append(d)
+    late = picks[50:]
+    assert late.count(3) >= 0.9 * len(late)
+
+
+def test_controller_probes_its_best_drafting_depth_from_plain_steps():
+    """Plain steps win (a drafting step costs 5x one), and the drafts would pay best deep. Probes
+    from plain steps go to the best drafting depth, whose steps observe every level, not to depth 1,
+    which observes only the first."""
+    cost = lambda d: 1.0 if d == 0 else 5.0 + 0.01 * d
+    ctl, picks = DepthController(5), []
+    for _ in range(300):
+        d = ctl.choose("greedy")
+        ctl.record(d, cost(d), [1 + min(3, d)], "greedy")
+        picks.append(d)
+    late = picks[100:]
+    assert late.count(0) >= 0.95 * len(late)
+    assert set(late) - {0} and set(late) - {0} <= {3, 4, 5}
+
+
 def test_controller_probes_less_often_while_the_choice_holds():
-    ctl = _controller_after(acceptance=0, step_time=lambda d: 1.0 + 0.3 * d, steps=10)
+    # 30 steps: past the drafted steps it must see before it may settle on plain steps
+    ctl = _controller_after(acceptance=0, step_time=lambda d: 1.0 + 0.3 * d, steps=30)
     picks = []
     for _ in range(400):
         d = ctl.choose("greedy")
