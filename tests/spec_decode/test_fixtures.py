@@ -471,6 +471,26 @@ def test_features_staged_for_other_aux_layers_are_rebuilt(make_fixtures, tmp_pat
         make_fixtures.stage_features(force=False)
 
 
+def test_eagle3_head_starts_from_the_target_output_layer(make_fixtures, tmp_path):
+    """After ``init_from_target_head`` an EAGLE-3 head's logits of any residual stream are the target's
+    logits of it at the draft ids (the target's lm_head rows and final norm), and nothing else moved."""
+    from tiny_models import make_tiny_eagle3, make_tiny_target
+
+    target = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        target.norm.weight.uniform_(0.5, 1.5)   # a trained norm, not the ones a head starts with
+    head = make_tiny_eagle3(target, draft_vocab_size=61)
+    draft_ids = head.to_target_ids(torch.arange(head.draft_vocab_size))
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    x = torch.randn(2, 5, target.config.hidden_size)
+    assert not torch.allclose(head.compute_logits(x), target.compute_logits(target.norm(x))[..., draft_ids])
+    make_fixtures.init_from_target_head(head, target, draft_ids)
+    torch.testing.assert_close(head.compute_logits(x), target.compute_logits(target.norm(x))[..., draft_ids],
+                               rtol=0, atol=0)
+    moved = {k for k, v in head.state_dict().items() if not torch.equal(v, before[k])}
+    assert moved == {"lm_head.weight", "norm.weight"}
+
+
 def test_stage_lr_anneals_a_shortened_cosine_to_its_floor(make_fixtures):
     """A stage cut short keeps its cosine up to `anneal_from`, then falls linearly to the cosine's floor."""
     plain = dict(steps=100, lr=1.0, warmup=10)
