@@ -402,6 +402,46 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
         assert torch.equal(a, b)
 
 
+def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, monkeypatch):
+    """A stage's checkpoint records its recipe; a run with another recipe refuses it, naming what changed,
+    instead of silently continuing the old training under the new name."""
+    cfg = dict(steps=6, lr=1e-2, warmup=1)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg["lr"])
+    gen = torch.Generator().manual_seed(0)
+
+    def step_fn(step):
+        loss = net(torch.randn(4, 3, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return {"loss": loss.detach()}
+
+    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
+    monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(3))
+    with pytest.raises(make_fixtures.Interrupted):
+        make_fixtures.train_resumable("head", net, opt, gen, cfg, step_fn)
+    monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(10**9))
+    with pytest.raises(RuntimeError, match=r"another head recipe \(changed: \['aux_scaling', 'lr'\]\)"):
+        make_fixtures.train_resumable("head", net, opt, gen, {**cfg, "lr": 2e-2, "aux_scaling": "rms"}, step_fn)
+    assert make_fixtures.train_resumable("head", net, opt, gen, cfg, step_fn)["step"] == 6   # its own recipe resumes
+
+
+def test_eagle3_aux_scaling_folds_into_fc(make_fixtures):
+    """Training on each aux channel scaled to unit RMS, then folding the scale into fc, gives the published
+    layout's function: fc over the raw states."""
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(5, 7, 6, generator=g) * torch.tensor([1.0, 2.0, 50.0, 0.5, 3.0, 1.0])
+    rms = make_fixtures.channel_rms(feats.half(), chunk=2)
+    torch.testing.assert_close(rms, feats.half().float().pow(2).mean((0, 1)).sqrt(), rtol=1e-5, atol=0)
+    fc = torch.nn.Linear(6, 4, bias=False)
+    x = feats.reshape(-1, 6)
+    want = fc(x / rms)
+    make_fixtures.fold_input_scale(fc, 1.0 / rms)
+    torch.testing.assert_close(fc(x), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags,want", [("fpu avx2 fma", "fp32"), ("avx2 avx512f avx512_bf16", "bf16"),
                                          ("avx2 amx_tile amx_bf16", "bf16"), ("", "fp32")])
 def test_auto_training_precision_follows_the_cpu_flags(make_fixtures, flags, want):
