@@ -687,15 +687,16 @@ class DepthController:
         if st.retime is not None:   # the last step at this depth was not timed: time it now
             depth, st.retime = st.retime, None
             return depth
-        best = st.best()
+        rates = st.log_rates()   # once per step: it takes the medians of the cost samples
+        best = _best_depth(rates)
         if best == 0 and st.tries[1] < MIN_FIRST_LEVEL_TRIES:   # too few drafts seen to give up drafting
-            best = st.best_drafting()
+            best = _best_depth(rates, drafting=True)
         if best != st.last_best:
             st.last_best, st.interval, st.next_probe = best, self.probe_every, st.steps + self.probe_every
         if st.steps >= st.next_probe:
             st.interval = min(2 * st.interval, 4 * self.probe_every)
             st.next_probe = st.steps + st.interval
-            return st.neighbour(best)
+            return st.neighbour(best, rates)
         return best
 
     def record(self, depth: int, seconds: float | None, emitted: list[int], regime: str) -> None:
@@ -798,16 +799,16 @@ class _DepthStats:
         plain = statistics.median(r + k * (d - 1) for r, d in self.plain) if self.plain else 0.0
         return [plain] + [k * (d - 1) for d in range(1, self.max_depth + 1)]
 
-    def neighbour(self, best: int) -> int:
+    def neighbour(self, best: int, rates: list[float]) -> int:
         """The depth to probe next: above and below ``best`` in turn (one direction at the ends).
 
-        From plain steps (``best == 0``) the probe is the best drafting depth instead of depth 1:
-        plain steps observe no acceptance, and depth 1 only its first level, so a low early guess
-        of the pass rates would never be corrected.
+        From plain steps (``best == 0``) the probe is the best drafting depth by ``rates``
+        (``log_rates()``) instead of depth 1: plain steps observe no acceptance, and depth 1 only its
+        first level, so a low early guess of the pass rates would never be corrected.
         """
         self.probe_up = not self.probe_up
         if best == 0:
-            return self.best_drafting()
+            return _best_depth(rates, drafting=True)
         if best == self.max_depth or not self.probe_up:
             return best - 1
         return best + 1
@@ -833,14 +834,10 @@ class _DepthStats:
             rates.append(math.log(expected) - logs[d])
         return rates
 
-    def best(self) -> int:
-        rates = self.log_rates()
-        return max(range(len(rates)), key=rates.__getitem__)   # ties: the shallowest
 
-    def best_drafting(self) -> int:
-        """The best depth other than a plain step."""
-        rates = self.log_rates()
-        return max(range(1, len(rates)), key=rates.__getitem__)
+def _best_depth(rates: list[float], drafting: bool = False) -> int:
+    """The depth of the highest of ``log_rates()`` (ties: the shallowest); ``drafting``: not a plain step."""
+    return max(range(1 if drafting else 0, len(rates)), key=rates.__getitem__)
 
 
 # ---------------------------------------------------------------------- input handling
