@@ -428,6 +428,18 @@ def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, 
     assert make_fixtures.train_resumable("head", net, opt, gen, cfg, step_fn)["step"] == 6   # its own recipe resumes
 
 
+def test_a_misspelt_recipe_option_is_refused(make_fixtures):
+    """An EAGLE-3 option with a value the build does not know raises, naming the key, instead of
+    silently training without it."""
+    make_fixtures.check_recipe_choices("EAGLE3_TRAIN", make_fixtures.EAGLE3_TRAIN, make_fixtures.EAGLE3_CHOICES)
+    make_fixtures.check_recipe_choices("EAGLE3_TRAIN", {**make_fixtures.EAGLE3_TRAIN, "aux_scaling": None},
+                                       make_fixtures.EAGLE3_CHOICES)
+    for key, bad in (("aux_scaling", "RMS"), ("lm_head_init", "targte")):
+        with pytest.raises(ValueError, match=rf"EAGLE3_TRAIN\['{key}'\] must be one of .*got '{bad}'"):
+            make_fixtures.check_recipe_choices("EAGLE3_TRAIN", {**make_fixtures.EAGLE3_TRAIN, key: bad},
+                                               make_fixtures.EAGLE3_CHOICES)
+
+
 def test_eagle3_aux_scaling_folds_into_fc(make_fixtures):
     """Training on each aux channel scaled to unit RMS, then folding the scale into fc, gives the published
     layout's function: fc over the raw states."""
