@@ -438,6 +438,9 @@ def test_a_misspelt_recipe_option_is_refused(make_fixtures):
         with pytest.raises(ValueError, match=rf"EAGLE3_TRAIN\['{key}'\] must be one of .*got '{bad}'"):
             make_fixtures.check_recipe_choices("EAGLE3_TRAIN", {**make_fixtures.EAGLE3_TRAIN, key: bad},
                                                make_fixtures.EAGLE3_CHOICES)
+    missing = {k: v for k, v in make_fixtures.EAGLE3_TRAIN.items() if k != "aux_scaling"}
+    with pytest.raises(ValueError, match=r"EAGLE3_TRAIN is missing the option 'aux_scaling'"):
+        make_fixtures.check_recipe_choices("EAGLE3_TRAIN", missing, make_fixtures.EAGLE3_CHOICES)
 
 
 def test_eagle3_aux_scaling_folds_into_fc(make_fixtures):
