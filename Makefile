@@ -58,7 +58,7 @@ bench-numerics: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m numerics.demo
 
-# Rebuild the trained fixtures from scratch: about 4.5 hours of 2 cores, resumable (run it in the
+# Rebuild the trained fixtures from scratch: about 6 hours of 2 cores, resumable (run it in the
 # background; rerun the same command after an interruption). ARGS="--max-minutes 60" stops cleanly.
 fixtures: $(STAMP)
 	$(PY) fixtures/make_fixtures.py $(ARGS)
