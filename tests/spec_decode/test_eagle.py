@@ -503,9 +503,10 @@ def test_eagle3_bias_flag_and_fc_bias_key_must_agree(target, tmp_path):
 # sha256 (first 16 hex) of the shipped head's outputs, torch 2.13.0 on CPU, recorded when the head was
 # retrained with the v2d recipe (issue #14: unit-RMS aux channels folded into fc, lm_head and norm started
 # from the target's, a 1,536-wide MLP; re-recorded for its 4,800-step retrain), with the code of that
-# commit, on a 2-core AVX-512 EPYC with avx512_bf16. Bits depend on the CPU's kernels: there fp32 projections of 1,024+ outputs over 2+ rows run
-# packed through oneDNN (spec_decode.model.Linear), which AVX2 CPUs do not use, and AVX2 emulates bf16
-# matmuls; this head's AVX2 bits are not recorded, so there only the reference comparison is checked.
+# commit, on a 2-core AVX-512 EPYC with avx512_bf16. Bits depend on the CPU's kernels: there fp32
+# projections of 1,024+ outputs over 2+ rows run packed through oneDNN (spec_decode.model.Linear), which
+# AVX2 CPUs do not use, and AVX2 emulates bf16 matmuls; this head's AVX2 bits are not recorded, so there
+# only the reference comparison is checked.
 SHIPPED_EAGLE3_CHECKSUMS = {
     ("avx512_bf16", torch.float32): {"fuse": "00027d925d44d9d4", "logits": "551e256a713e3e7c",
                                      "hidden": "441f94b0f2f17ca2"},
