@@ -38,13 +38,23 @@ def manifest(fixtures_dir) -> dict:
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_fixtures.py"
 
 
-@pytest.fixture(scope="module")
-def make_fixtures():
-    """The build script of this checkout as a module (it has no import-time side effects)."""
-    spec = importlib.util.spec_from_file_location("make_fixtures", BUILD_SCRIPT)
+def _script_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def make_fixtures():
+    """The build script of this checkout as a module (it has no import-time side effects)."""
+    return _script_module(BUILD_SCRIPT)
+
+
+@pytest.fixture
+def measure():
+    """fixtures/measure_fixtures.py as a module (imports nothing heavy at import time)."""
+    return _script_module(BUILD_SCRIPT.parent / "measure_fixtures.py")
 
 
 @pytest.fixture(scope="module")
@@ -559,11 +569,8 @@ def test_stage_lr_anneals_a_shortened_cosine_to_its_floor(make_fixtures):
     assert annealed[5] == pytest.approx((cosine[60] + cosine[100]) / 2)
 
 
-def test_goal_table_marks_each_goal():
+def test_goal_table_marks_each_goal(measure):
     """measure_fixtures: a goal is met exactly when its figure is on the right side of the bar."""
-    spec = importlib.util.spec_from_file_location("measure_fixtures", BUILD_SCRIPT.parent / "measure_fixtures.py")
-    measure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(measure)
     good = {"shapes": {s: {"eagle": 3.0, "eagle3": 3.1} for s in measure.SHAPES},
             "eagle_step1_greedy_agreement": 0.8, "eagle3_step1_greedy_agreement": 0.85,
             "eagle_step1_sampled_acceptance": 0.81, "eagle3_step1_sampled_acceptance": 0.8,
@@ -581,3 +588,18 @@ def test_goal_table_marks_each_goal():
     bad["bench_order_t0"]["draft_chain"] = 3.41
     assert not any(row["met"] for row in measure.goal_rows(bad))
     assert "| no |" in measure.markdown_table({"goals": measure.goal_rows(bad)})
+
+
+def test_ordering_goal_measures_the_benchmarks_own_shapes(measure, fixtures_dir, monkeypatch):
+    """The spec-bench ordering goal reads spec-bench's method table, score temperature included, so a
+    change of a benchmark shape moves the goal's measure with it."""
+    from spec_decode.bench import config
+
+    methods = measure.bench_methods()
+    assert list(methods) == list(measure.BENCH_ORDER)
+    assert methods["eagle3_tree"] == ("eagle3", "tiny-eagle3", (4, 2, 8), 0.5)
+    assert methods["eagle_chain"] == ("eagle", "tiny-eagle", (4, 1, 5), 1.0)
+    assert all((fixtures_dir / "models" / drafter).is_dir() for _, drafter, _, _ in methods.values())
+    moved = config.MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 6, 3, 16, score_temperature=0.25)
+    monkeypatch.setitem(config.METHOD_SPECS, "eagle3_tree", moved)
+    assert measure.bench_methods()["eagle3_tree"] == ("eagle3", "tiny-eagle3", (6, 3, 16), 0.25)
