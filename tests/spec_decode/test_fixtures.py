@@ -597,9 +597,12 @@ def test_ordering_goal_measures_the_benchmarks_own_shapes(measure, fixtures_dir,
 
     methods = measure.bench_methods()
     assert list(methods) == list(measure.BENCH_ORDER)
-    assert methods["eagle3_tree"] == ("eagle3", "tiny-eagle3", (4, 2, 8), 0.5)
-    assert methods["eagle_chain"] == ("eagle", "tiny-eagle", (4, 1, 5), 1.0)
-    assert all((fixtures_dir / "models" / drafter).is_dir() for _, drafter, _, _ in methods.values())
+    assert methods["eagle3_tree"] == {"method": "eagle3", "drafter": "tiny-eagle3", "shape": [4, 2, 8],
+                                      "score_temperature": 0.5}
+    assert methods["eagle_chain"] == {"method": "eagle", "drafter": "tiny-eagle", "shape": [4, 1, 5],
+                                      "score_temperature": 1.0}
+    assert all((fixtures_dir / "models" / m["drafter"]).is_dir() for m in methods.values())
     moved = config.MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 6, 3, 16, score_temperature=0.25)
     monkeypatch.setitem(config.METHOD_SPECS, "eagle3_tree", moved)
-    assert measure.bench_methods()["eagle3_tree"] == ("eagle3", "tiny-eagle3", (6, 3, 16), 0.25)
+    assert measure.bench_methods()["eagle3_tree"] == {"method": "eagle3", "drafter": "tiny-eagle3",
+                                                      "shape": [6, 3, 16], "score_temperature": 0.25}
