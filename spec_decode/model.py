@@ -421,6 +421,10 @@ class Linear(nn.Linear):
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
 
     def forward(self, x: Tensor) -> Tensor:
+        # compiled graphs keep F.linear, checked first: the rules below would break the graph at every
+        # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager
+        if torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
         if self.packed is False or torch.is_grad_enabled() or not self._packs(x):
             return F.linear(x, self.weight, self.bias)
         packed = self._packed_weight(x)
@@ -439,9 +443,8 @@ class Linear(nn.Linear):
     def _packed_weight(self, x: Tensor) -> Tensor | None:
         """The packed weight, (re)built when the weight changed; None where packing does not apply."""
         w = self.weight
-        # compiled graphs keep F.linear (the compiler fuses around it); inference tensors keep no
-        # version counter, so an in-place change could not be seen
-        if x.device.type != "cpu" or torch.compiler.is_compiling() or w.is_inference():
+        # inference tensors keep no version counter, so an in-place change could not be seen
+        if x.device.type != "cpu" or w.is_inference():
             return None
         key = (w.data_ptr(), w._version, w.dtype)
         cached = self.__dict__.get("_packed")
