@@ -88,23 +88,36 @@ class CallClock:
     removes it. Timing from outside the call keeps a compiled forward (``SpecDecoder(compile=True)``)
     whole: module hooks run inside the compiled call and break its graph, which made a compiled
     drafter call look slower than an eager one. ``calls`` and ``seconds`` accumulate while attached.
+
+    ``step_id`` (optional) returns a value that changes once per step (the profile passes the count of
+    ``drafting`` phase entries): the first call under each new value is that step's catch-up, counted
+    apart in ``catch_up_calls`` and ``catch_up_seconds``. It runs right after the target's verify
+    forward, over every token the last step emitted (the whole prompt in a request's first step).
     """
 
-    def __init__(self, device: torch.device | None = None, clock=time.perf_counter):
-        self.device, self.clock = device, clock
+    def __init__(self, device: torch.device | None = None, clock=time.perf_counter, step_id=None):
+        self.device, self.clock, self.step_id = device, clock, step_id
         self.calls, self.seconds = 0, 0.0
+        self.catch_up_calls, self.catch_up_seconds = 0, 0.0
         self._drafter = None
+        self._last_step = None
 
     def attach(self, drafter) -> "CallClock":
         inner = drafter.draft_forward
 
         def timed(*args, **kwargs):
+            step = None if self.step_id is None else self.step_id()
             start = self._now()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds += self._now() - start
+                elapsed = self._now() - start
+                self.seconds += elapsed
                 self.calls += 1
+                if step is not None and step != self._last_step:
+                    self._last_step = step
+                    self.catch_up_seconds += elapsed
+                    self.catch_up_calls += 1
 
         drafter.draft_forward = timed
         self._drafter = drafter
@@ -132,7 +145,10 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
     ``"unaccounted"``: the step minus its phases), ``step_ar_steps``, ``step_without_drafting_ar_steps``,
-    ``drafter_calls_per_step``, ``drafter_call_ms``, ``drafter_call_ar_steps`` (None without a drafter).
+    ``drafter_calls_per_step``, ``drafter_call_ms``, ``drafter_call_ar_steps``, and the same call split
+    into each step's first call, its catch-up (``catch_up_call_ms``, ``catch_up_call_ar_steps``), and
+    the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); None without a drafter
+    (or, for the split, without such calls).
     """
     if not hasattr(decoder, "phase_timer"):
         raise TypeError(f"{type(decoder).__name__} has no phase_timer hook; spec-bench profile needs a SpecDecoder "
@@ -143,7 +159,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
                     seed=seed if temperature > 0 else None)
     for dec in (ar_decoder, decoder):   # warm-up
         dec.generate(prompts[:1], **sampling)
-    phase_clock, call_clock = PhaseClock(device, clock), CallClock(device, clock)
+    phase_clock = PhaseClock(device, clock)
+    call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     previous = decoder.phase_timer
     ar_steps, steps, accepted = [], [], []
     try:
@@ -173,7 +190,6 @@ def _split(phases, phase_seconds: dict, calls: CallClock, ar_steps: list, steps:
     phase_ms.update({name: s / n * 1e3 for name, s in phase_seconds.items() if name not in phase_ms})
     phase_ms[UNACCOUNTED] = step * 1e3 - sum(phase_ms.values())
     frac = {name: ms / (ar * 1e3) if ar > 0 else None for name, ms in phase_ms.items()}
-    call_s = calls.seconds / calls.calls if calls.calls else None
     return {
         "ar_step_ms": ar * 1e3,
         "step_ms": step * 1e3,
@@ -184,9 +200,17 @@ def _split(phases, phase_seconds: dict, calls: CallClock, ar_steps: list, steps:
         "step_ar_steps": step / ar if ar > 0 else None,
         "step_without_drafting_ar_steps": (step * 1e3 - phase_ms.get("drafting", 0.0)) / (ar * 1e3) if ar > 0 else None,
         "drafter_calls_per_step": calls.calls / n if has_drafter else None,
-        "drafter_call_ms": None if call_s is None else call_s * 1e3,
-        "drafter_call_ar_steps": None if call_s is None or ar <= 0 else call_s / ar,
+        **_per_call("drafter_call", calls.seconds, calls.calls, ar),
+        **_per_call("catch_up_call", calls.catch_up_seconds, calls.catch_up_calls, ar),
+        **_per_call("draft_call", calls.seconds - calls.catch_up_seconds, calls.calls - calls.catch_up_calls, ar),
     }
+
+
+def _per_call(name: str, seconds: float, calls: int, ar: float) -> dict:
+    """``{name}_ms`` and ``{name}_ar_steps`` of the mean call (None without calls)."""
+    s = seconds / calls if calls else None
+    return {f"{name}_ms": None if s is None else s * 1e3,
+            f"{name}_ar_steps": None if s is None or ar <= 0 else s / ar}
 
 
 def format_split(title: str, split: dict) -> str:
@@ -208,6 +232,10 @@ def format_split(title: str, split: dict) -> str:
         lines.append(f"  one drafter call: {num(split['drafter_call_ms'])} ms = "
                      f"{num(split['drafter_call_ar_steps'])} ar steps ({split['drafter_calls_per_step']:.2f} calls "
                      "per step)")
+    if split.get("catch_up_call_ms") is not None:
+        lines.append(f"    the catch-up (a step's first call): {num(split['catch_up_call_ms'])} ms = "
+                     f"{num(split['catch_up_call_ar_steps'])} ar steps; each later call: "
+                     f"{num(split['draft_call_ms'])} ms = {num(split['draft_call_ar_steps'])} ar steps")
     return "\n".join(lines)
 
 

@@ -369,12 +369,15 @@ class _FakeClock:
 
 
 class _FakeDrafter(torch.nn.Module):
-    def __init__(self, clock: _FakeClock, cost: float):
+    """Each call advances the clock by ``cost``; ``costs`` instead cycles through several (one per call)."""
+
+    def __init__(self, clock: _FakeClock, cost: float, costs: tuple[float, ...] | None = None):
         super().__init__()
-        self.clock, self.cost = clock, cost
+        self.clock, self.costs, self.calls = clock, costs or (cost,), 0
 
     def forward(self, x):
-        self.clock.t += self.cost
+        self.clock.t += self.costs[self.calls % len(self.costs)]
+        self.calls += 1
         return x
 
     def draft_forward(self, x):
@@ -437,6 +440,22 @@ def test_profile_split_is_exact_on_a_fake_decoder():
         profile_split(dec, ar, _FakeDrafter(clock, 0.25), [[1]], 4, phases=PHASES, clock=clock)
 
 
+def test_profile_splits_each_steps_catch_up_from_its_later_calls():
+    """A step's first drafter call (the catch-up after the verify forward) is timed apart from the rest."""
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES
+
+    clock = _FakeClock()
+    drafter = _FakeDrafter(clock, 0.0, costs=(0.5, 0.25))   # two calls per step: catch-up 0.5, then 0.25
+    dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
+    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    assert split["catch_up_call_ms"] == pytest.approx(500.0)
+    assert split["catch_up_call_ar_steps"] == pytest.approx(0.25)
+    assert split["draft_call_ms"] == pytest.approx(250.0)
+    assert split["draft_call_ar_steps"] == pytest.approx(0.125)
+    assert split["drafter_call_ms"] == pytest.approx(375.0)   # the mean over both kinds
+
+
 def test_phase_clock_counts_nested_phases_once():
     from spec_decode.bench.profile_step import PhaseClock
 
@@ -474,6 +493,7 @@ def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     split = json.loads((tmp_path / "split.json").read_text())
     assert set(PHASES) <= set(split["ar_steps"])
     assert split["drafter_calls_per_step"] >= 1 and split["drafter_call_ar_steps"] > 0
+    assert split["catch_up_call_ar_steps"] > 0 and "the catch-up" in out
     assert split["ar_steps"]["verify_forward"] > 0 and split["step_ar_steps"] > 0
 
 
