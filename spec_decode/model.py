@@ -394,7 +394,7 @@ class KVCache:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that, in CPU inference, reuses a weight packed once for oneDNN where that is faster.
+    """``nn.Linear`` with faster CPU inference paths, each chosen for what this CPU runs well.
 
     ``F.linear`` hands a weight to its CPU kernel, which lays it out again on every call; packing it once
     (``torch.ops.mkldnn._reorder_linear_weight``) and calling the packed kernel saves that work:
@@ -402,70 +402,121 @@ class Linear(nn.Linear):
     * **bf16**, on a CPU where oneDNN runs bf16 (``avx512_bf16``): every projection. Bit-identical
       to ``F.linear`` (tested over shapes, batch sizes and biases); on an AVX-512 EPYC, 83 -> 49 us
       for a one-row 192 x 4096 projection, 29 -> 23 us for 192 x 1024.
-    * **fp32**, on an AVX-512 CPU: the wide projections only (``fp32_packs``): at least 1,024
-      outputs over two rows or more, or at least 3,072 outputs on one row. There MKL's small-batch
-      sgemm is slow and oneDNN is not: a 5-row 192 x 4096 projection (a chain's verify lm_head)
-      takes 98-117 us against 207-229 us, a 5-row 192 x 1024 (a gate/up projection) 40 against
-      55-59 us; a one-row 192 x 4096, 64-78 against 87-92 us. Narrower projections, and 1,024
-      outputs on one row, stay faster in ``F.linear``, which they keep. Results equal
-      ``F.linear``'s to float32 rounding (the two libraries sum in different orders on few rows),
-      NaN and Inf included. On other CPUs (AVX2) fp32 is not packed: not measured there.
+    * **bf16 on any other CPU** (AVX2), over two rows or more: computed from a float32 copy of the
+      weight (and bias), the result rounded to bf16 once. There ``F.linear`` runs bf16 4x slower
+      than float32 on a 5-row block (192 x 4096: 1,012 against 247 us on an AVX2 EPYC; a whole
+      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). One row keeps bf16
+      ``F.linear``: a decode step streams half the weight bytes, and came out 1.35x faster so.
+      Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
+      one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
+    * **fp32**, wide projections only (``fp32_packs``), on AVX-512 and AVX2 CPUs with their own
+      thresholds: there MKL's small-batch sgemm is slow and oneDNN is not. AVX-512: at least
+      1,024 outputs over two rows or more, or 3,072 on one row (a 5-row 192 x 4096, a chain's
+      verify lm_head: 98-117 us against 207-229 us). AVX2: at least 2,048 outputs over two rows
+      or more (5-row 192 x 4096: 150 against 241 us; one row never wins). Narrower projections
+      keep ``F.linear``, which is faster for them. Results equal ``F.linear``'s to float32 rounding
+      (the two libraries sum in different orders on few rows), NaN and Inf included.
 
-    The packed copy costs a second copy of the weight in memory; it is rebuilt when the weight is
-    replaced or changed in place, and ``set_packed_linears(module, False)`` turns it off. Everywhere
-    else (grad mode, CUDA, fp16, ``torch.compile``, weights created under ``torch.inference_mode``,
-    which keep no version counter), and with ``packed=None`` on a CPU the rules above leave out, it
-    is ``nn.Linear``. State dicts are ``nn.Linear``'s.
+    Each path keeps a second copy of the weight (packed or float32), rebuilt when the weight is
+    replaced or changed in place; ``set_packed_linears(module, False)`` turns them all off.
+    Everywhere else (grad mode, CUDA, fp16, ``torch.compile``, weights created under
+    ``torch.inference_mode``, which keep no version counter), and with ``packed=None`` on a CPU
+    the rules above leave out, it is ``nn.Linear``. State dicts are ``nn.Linear``'s.
     """
 
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._route_by_dtype: dict = {}   # (input dtype, weight dtype) -> path, filled by _route
+
     def forward(self, x: Tensor) -> Tensor:
+        # parameters read from _parameters: nn.Module's attribute lookup costs ~0.8 us each, and a one-row
+        # projection of these tiny models costs 6-25 us in all
+        params = self._parameters
+        w, b = params["weight"], params["bias"]
         # compiled graphs keep F.linear, checked first: the rules below would break the graph at every
-        # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager
+        # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager.
+        # Inference tensors keep no version counter, so an in-place change could not be seen.
         if torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
-        if self.packed is False or torch.is_grad_enabled() or not self._packs(x):
-            return F.linear(x, self.weight, self.bias)
-        packed = self._packed_weight(x)
-        if packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            return F.linear(x, w, b)
+        route = self._route_by_dtype.get((x.dtype, w.dtype)) or self._route(x.dtype, w.dtype)
+        if (route is _PLAIN or self.packed is False or torch.is_grad_enabled() or not x.is_cpu or w.is_inference()
+                or torch.is_autocast_enabled("cpu")):
+            return F.linear(x, w, b)
+        if route is _BF16_PACKED:
+            return self._run_packed(x, self._cached("_packed", w, 1), b)
+        if route is _BF16_AS_FP32:
+            if x.numel() == x.shape[-1]:   # one row: bf16 weights stream fewer bytes and win
+                return F.linear(x, w, b)
+            w32, b32 = self._fp32_copy(w, b)
+            return self._fp32_forward(x.float(), w32, b32).to(torch.bfloat16)
+        return self._fp32_forward(x, w, b)
 
-    def _packs(self, x: Tensor) -> bool:
-        """Whether this call's dtype, shape and CPU take the packed path (``packed=True`` skips the CPU check)."""
-        if self.packed is None and not onednn_packing_pays(x.dtype):
-            return False
-        if x.dtype is torch.bfloat16:
-            return True
-        return x.dtype is torch.float32 and fp32_packs(self.out_features, x.numel() // max(1, x.shape[-1]))
+    def _route(self, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
+        """Which path a CPU inference call with these dtypes takes (see the class docstring); cached."""
+        route = _PLAIN
+        if x_dtype is torch.bfloat16 and w_dtype is torch.bfloat16:
+            if self.packed is None and bf16_runs_as_fp32():
+                route = _BF16_AS_FP32
+            elif self.packed or onednn_bf16_native():
+                route = _BF16_PACKED
+        elif (x_dtype is torch.float32 and w_dtype is torch.float32 and fp32_packs(self.out_features, 2)
+              and (self.packed or onednn_fp32_packing_pays())):
+            route = _FP32   # packs from some row count on
+        self._route_by_dtype[(x_dtype, w_dtype)] = route
+        return route
 
-    def _packed_weight(self, x: Tensor) -> Tensor | None:
-        """The packed weight, (re)built when the weight changed; None where packing does not apply."""
-        w = self.weight
-        # inference tensors keep no version counter, so an in-place change could not be seen
-        if x.device.type != "cpu" or w.is_inference():
-            return None
-        key = (w.data_ptr(), w._version, w.dtype)
-        cached = self.__dict__.get("_packed")
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        if w.dtype is not x.dtype or w.device.type != "cpu":
-            return None
-        # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
-        # in fp32; bf16 keeps the layout its bit-identity was tested with
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1 if w.dtype is torch.bfloat16 else 5)
-        self.__dict__["_packed"] = (key, packed)
-        return packed
+    def _fp32_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """A float32 projection: packed where ``fp32_packs`` says so (``packed=True`` skips the CPU check)."""
+        rows = x.numel() // max(1, x.shape[-1])
+        if fp32_packs(self.out_features, rows) and (self.packed or onednn_fp32_packing_pays()):
+            # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
+            return self._run_packed(x, self._cached("_packed", weight, 5), bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def _run_packed(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def _fp32_copy(self, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """float32 copies of the bf16 weight ``w`` and bias ``b``, rebuilt when either changed."""
+        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+        cached = self.__dict__.get("_fp32")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_fp32"] = (key, w.detach().float(), None if b is None else b.detach().float())
+        return cached[1], cached[2]
+
+    def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:
+        """``weight`` packed for oneDNN, cached under ``name`` until the layer's own weight changes."""
+        w = self._parameters["weight"]
+        key = (w.data_ptr(), w._version, weight.dtype)
+        cached = self.__dict__.get(name)
+        if cached is None or cached[0] != key:
+            cached = self.__dict__[name] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
+        return cached[1]
 
 
-FP32_PACK_MIN_OUT = 1024            # fp32: outputs from which oneDNN beats F.linear on two rows or more
+_PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32 = "plain", "bf16 packed", "bf16 as fp32", "fp32"
+
+FP32_PACK_MIN_OUT = 1024            # AVX-512 fp32: outputs from which oneDNN beats F.linear on two rows or more
 FP32_PACK_ONE_ROW_MIN_OUT = 3072    # ... and on one row
+FP32_PACK_MIN_OUT_AVX2 = 2048       # AVX2 fp32: from two rows on (on one row F.linear is never slower)
 
 
-def fp32_packs(out_features: int, rows: int) -> bool:
-    """Whether an fp32 projection to ``out_features`` over ``rows`` rows takes ``Linear``'s packed path."""
-    return out_features >= FP32_PACK_ONE_ROW_MIN_OUT or (out_features >= FP32_PACK_MIN_OUT and rows >= 2)
+def fp32_packs(out_features: int, rows: int, avx512: bool | None = None) -> bool:
+    """Whether an fp32 projection to ``out_features`` over ``rows`` rows takes ``Linear``'s packed path.
+
+    ``avx512``: which CPU class's thresholds apply; None means this CPU's.
+    """
+    if avx512 if avx512 is not None else _cpu_is_avx512():
+        return out_features >= FP32_PACK_ONE_ROW_MIN_OUT or (out_features >= FP32_PACK_MIN_OUT and rows >= 2)
+    return out_features >= FP32_PACK_MIN_OUT_AVX2 and rows >= 2
+
+
+@functools.cache
+def _cpu_is_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _onednn_packed_op_and(cpu_check) -> bool:
@@ -485,23 +536,24 @@ def onednn_bf16_native() -> bool:
 
 @functools.cache
 def onednn_fp32_packing_pays() -> bool:
-    """True on an AVX-512 CPU with oneDNN and the packed op: where ``fp32_packs`` was measured to win."""
-    return _onednn_packed_op_and(lambda: torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    """True on an AVX-512 or AVX2 CPU with oneDNN and the packed op: where ``fp32_packs`` was measured."""
+    return _onednn_packed_op_and(lambda: torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AVX2")))
 
 
-def onednn_packing_pays(dtype: torch.dtype) -> bool:
-    """Whether ``Linear`` packs ``dtype`` weights on this CPU by default (``packed=None``)."""
-    if dtype is torch.bfloat16:
-        return onednn_bf16_native()
-    return dtype is torch.float32 and onednn_fp32_packing_pays()
+@functools.cache
+def bf16_runs_as_fp32() -> bool:
+    """True on a CPU without native bf16 matmuls, where ``Linear`` computes bf16 from float32 weights."""
+    return not onednn_bf16_native() and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 def set_packed_linears(module: nn.Module, on: bool | None) -> None:
-    """Switch ``Linear``'s packed CPU path (bf16 and wide fp32) in every linear of ``module`` (None: automatic)."""
+    """Switch ``Linear``'s CPU paths (packed, float32 copies) in every linear of ``module`` (None: automatic)."""
     for m in module.modules():
         if isinstance(m, Linear):
             m.packed = on
-            m.__dict__.pop("_packed", None)
+            m._route_by_dtype.clear()
+            for cached in ("_packed", "_fp32"):
+                m.__dict__.pop(cached, None)
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:
