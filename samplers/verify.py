@@ -41,7 +41,7 @@ def _emit(draft: torch.Tensor, final: torch.Tensor, num: torch.Tensor) -> torch.
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     """Number of leading True entries per row. Shape: [B, K] bool -> [B] int64."""
-    return mask.to(torch.int64).cumprod(1).sum(1)
+    return mask.cumprod(1).sum(1)   # cumprod of bool counts in int64
 
 
 def greedy_verify(
@@ -84,12 +84,15 @@ def greedy_verify(
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
     prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits))
     best = prep.work.argmax(-1)  # [B, K+1]
-    draft = draft_token_ids.long()
-    num = _leading_true(draft == best[:, :k])  # out-of-range ids never equal an argmax
-    out = _emit(draft, best.gather(1, num.unsqueeze(1)).squeeze(1), num)
+    num = _leading_true(draft_token_ids == best[:, :k])  # out-of-range ids never equal an argmax
+    # The accepted drafts equal the argmax at their positions, and the token after them is the argmax
+    # there: the row is the argmax up to position num, then -1 (two ops, not _emit's gather and scatter).
+    pos = torch.arange(k + 1, device=best.device)
+    out = torch.where(pos <= num[:, None], best, PLACEHOLDER_TOKEN_ID).to(torch.int32)
+    num = num.to(torch.int32)
     positional = ("output_token_ids", "num_accepted") + (("nonfinite_rows",) if return_nonfinite else ())
-    return SamplerOutput(positional, output_token_ids=out, num_accepted=num.to(torch.int32),
-                         num_emitted=(num + 1).to(torch.int32), nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
+    return SamplerOutput(positional, output_token_ids=out, num_accepted=num, num_emitted=num + 1,
+                         nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
 def chain_speculative_sampling(

@@ -213,35 +213,41 @@ class _Expansion:
 
     Shape: logits [B, F, Vd] -> lp [B, F, k] (score increments: greedy rows the children's
     log-probs, sampled rows the rank scores that decide which draws are kept before they are
-    drawn), ids [B, F, k] draft ids, q [B, F, Vd] or None.
+    drawn), ids [B, F, k] draft ids, q [B, F, Vd] or None. ``scores=False`` (a chain, k = 1, which reads
+    no score): lp is None and greedy rows take the argmax, the id ``topk`` keeps (lowest index on ties).
     NaN: the logits are sanitized in float32 before ranking or sampling, so a NaN draft never
     yields a bad id: on a copy of bf16/fp16 logits, in place for float32 ones (the caller counts
     a drafter's NaN before expanding its logits).
     """
 
-    def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None, score_temperature: float = 1.0):
+    def __init__(self, logits: Tensor, k: int, sampling: DraftSampling | None, score_temperature: float = 1.0,
+                 *, scores: bool = True):
         # warn=False: the pipeline reports draft NaN itself, without the warner's CPU-side sync.
         logits = sanitize_nan_logits(logits.float(), warn=False)
-        self.q = None
+        self.q = self.lp = None
         if sampling is None or not sampling.all_sampled:
-            self.lp, self.ids = _greedy_children(logits, k, score_temperature)
+            if scores:
+                self.lp, self.ids = _greedy_children(logits, k, score_temperature)
+            else:   # a chain keeps its top-1 and never reads a score: argmax, the lowest index on ties as topk
+                self.ids = logits.argmax(-1, keepdim=True)
         if sampling is None:
             return
         q = _draft_q(logits, sampling)
         drawn = sample_without_replacement(q, k, sampling.generator)                    # [B, F, k]
+        self.q = q
+        if sampling.all_sampled:
+            self.ids = drawn
+        else:
+            self.ids = torch.where(sampling.sampled[:, None, None], drawn, self.ids)
+        if not scores:
+            return
         # A sampled child's worth is its rank, not its drawn value: the first draw is tried first
         # and, under recursive rejection, accepted with probability 1 - TV(p, q) whatever token it
         # is. Rank j scores log(q_(j) / q_(1)) from q's sorted values: 0 for first draws (so a
         # tree always holds the chain of first draws), lower when the drafter is confident.
         top = torch.topk(q, k, dim=-1).values
         prio = (torch.log(top) - torch.log(top[..., :1])).clamp(min=-1e30)
-        if sampling.all_sampled:
-            self.lp, self.ids = prio, drawn
-        else:
-            row = sampling.sampled[:, None, None]
-            self.lp = torch.where(row, prio, self.lp)
-            self.ids = torch.where(row, drawn, self.ids)
-        self.q = q
+        self.lp = prio if sampling.all_sampled else torch.where(sampling.sampled[:, None, None], prio, self.lp)
 
 
 def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
@@ -353,7 +359,7 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     advanced = 0
     try:
         for depth in range(1, N):
-            exp = _Expansion(logits, 1, sampling)
+            exp = _Expansion(logits, 1, sampling, scores=False)
             chain.append(drafter.to_target_ids(exp.ids[:, :, 0]))              # [B, 1]
             qs.append(exp.q)
             if depth == num_steps:

@@ -228,6 +228,7 @@ class SpecDecoder:
         self.tree_score_temperature = check_score_temperature(tree_score_temperature, "tree_score_temperature")
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.last_stats = StepStats()
+        self._offsets: dict[tuple, torch.Tensor] = {}   # _row_offsets' cache
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
         if not isinstance(compile, bool):
@@ -502,9 +503,17 @@ class SpecDecoder:
         if self.nan_policy is NanPolicy.OFF:
             return None
         B = logits2d.shape[0] // rows_per_request
-        cu = torch.arange(0, (B + 1) * rows_per_request, rows_per_request, device=logits2d.device,
-                          dtype=torch.int32)
-        return nonfinite_counts_per_request(logits2d, cu, sanitize=sanitize)
+        return nonfinite_counts_per_request(logits2d, self._row_offsets(B, rows_per_request, logits2d.device),
+                                            sanitize=sanitize)
+
+    def _row_offsets(self, batch: int, rows_per_request: int, device) -> torch.Tensor:
+        """``cu_num_rows`` [B + 1] int32 of ``batch`` requests with equal row counts, cached: a step
+        reuses the last one (an op per NaN pass saved, ~10 us on CPU between big forwards)."""
+        key = (batch, rows_per_request, device)
+        if key not in self._offsets:   # at most two row counts per batch size
+            self._offsets[key] = torch.arange(0, (batch + 1) * rows_per_request, rows_per_request, device=device,
+                                              dtype=torch.int32)
+        return self._offsets[key]
 
     def _poison_kv(self, batch, plan, step):
         for row, value in plan.rows(step, "kv_cache", batch.active):
@@ -515,9 +524,10 @@ class SpecDecoder:
     def _to_host(self, tokens, num, counts, draft_counts) -> list["_HostRow"]:
         """The step's one host sync: tokens [B, W], num [B], target and draft NaN/Inf/dead counts [B]."""
         B = tokens.shape[0]
-        zeros = torch.zeros(B, 3, dtype=torch.long, device=tokens.device)
-        stack = lambda c: zeros if c is None else torch.stack([c.nan, c.inf, c.dead_rows], 1).long()
-        packed = torch.cat([tokens.long(), num.long()[:, None], stack(counts), stack(draft_counts)], 1)
+        zeros = torch.zeros(B, 3, dtype=torch.int32, device=tokens.device)
+        stack = lambda c: zeros if c is None else torch.stack([c.nan, c.inf, c.dead_rows], 1)
+        # no casts: cat promotes mixed integer dtypes, and tolist() gives Python ints either way
+        packed = torch.cat([tokens, num[:, None], stack(counts), stack(draft_counts)], 1)
         rows = packed.tolist()   # host sync: the loop must know what was emitted
         self.last_stats.host_copies += 1
         return [_HostRow(r[:-7], *r[-7:]) for r in rows]

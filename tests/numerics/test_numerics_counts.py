@@ -169,6 +169,28 @@ def test_reference_counts_simple_example():
     assert counts.tolist() == [1, 0, 2]  # row 3 belongs to no request
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_row_sum_filter_counts_what_the_every_row_path_counts(dtype):
+    """The CPU path counts only rows whose sum is not finite (``s - s`` nonzero). Cases that would
+    trip a filter looking for NaN sums only, or at the whole tensor: +Inf and -Inf in different rows,
+    finite rows whose sums overflow, and huge finite values that cancel beside a NaN row."""
+    big = torch.finfo(dtype).max
+    cases = [
+        torch.tensor([[1.0, INF, 2.0], [0.0, -INF, 3.0], [1.0, 1.0, 1.0]]),   # total NaN
+        torch.tensor([[big, big, 0.0], [big, 1.0, 0.0], [1.0, 2.0, 3.0]]),    # total overflows, no NaN/Inf
+        torch.tensor([[big, -big, 0.0], [-big, big, 1.0], [NAN, 1.0, 2.0]]),  # cancelling rows and a NaN row
+        torch.tensor([[0.5, 0.25, 0.0], [1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]),  # clean: nothing to count
+    ]
+    cu = torch.tensor([0, 1, 3])
+    for x in cases:
+        x = x.to(dtype)
+        fast = nonfinite_counts_per_request(x.clone(), cu, backend="torch")
+        with mock.patch.object(counts_module, "_CPU_ROW_SUM_FILTER", False):
+            every_row = nonfinite_counts_per_request(x.clone(), cu, backend="torch")
+        want = _oracle_all(x, cu)
+        assert [c.tolist() for c in fast] == [c.tolist() for c in every_row] == list(want), x
+
+
 def test_counts_ignore_inf():
     x = torch.tensor([[INF, -INF, NAN]], device=DEVICE)
     for backend in ("torch", "triton"):

@@ -264,3 +264,23 @@ def test_draft_tree_rejects_a_bad_score_temperature(tmp_path, value):
     with pytest.raises(ValueError, match="score_temperature"):
         draft_tree(drafter, cache, torch.tensor([7]), torch.zeros(1, drafter.draft_vocab_size), torch.zeros(1, 32),
                    num_steps=2, topk=2, num_draft_tokens=4, score_temperature=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_expansion_keeps_the_id_the_scored_expansion_ranks_first(dtype):
+    """scores=False (the chain's argmax) keeps what log_softmax + topk(1) keeps: on exact ties (the
+    lowest index, as topk), on NaN/Inf rows (sanitized first) and on every-NaN rows."""
+    from spec_decode.drafting import _Expansion
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3, 257, generator=g) * 4).to(dtype)
+    logits[0, 0, [5, 77, 200]] = 50.0                  # a three-way tie at the top
+    logits[1, 1, [9, 10]] = float("inf")               # two +Inf: both sanitize to the same bound
+    logits[2, 2, :] = float("nan")                     # every entry NaN: a uniform row, id 0
+    logits[3, 0, 4] = float("nan")
+    logits[3, 0, [100, 101]] = 30.0
+    scored = _Expansion(logits.clone(), 1, None)
+    chain = _Expansion(logits.clone(), 1, None, scores=False)
+    assert chain.lp is None and chain.ids.shape == scored.ids.shape == (6, 3, 1)
+    assert torch.equal(chain.ids, scored.ids)
+    assert [chain.ids[0, 0, 0].item(), chain.ids[1, 1, 0].item(), chain.ids[2, 2, 0].item()] == [5, 9, 0]
+    assert chain.ids[3, 0, 0].item() == 100
