@@ -593,8 +593,8 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     B = lengths.shape[0]
     span = num_new if tree_mask is None else tree_mask.shape[-1]
     past = span - num_new  # uncommitted rows written before this block
-    j = torch.arange(span, device=device)
-    own_row = torch.arange(past, span, device=device)[:, None]  # (T, 1): each token's own row in the span
+    j = _positions(span, device)
+    own_row = j[past:, None]  # (T, 1): each token's own row in the span
     if tree_mask is None:
         vis = j <= own_row  # causal (T, S), own row included (past == 0)
     else:
@@ -606,7 +606,7 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
         vis = vis[:, None].expand(B, n_rep, num_new, span).reshape(B, n_rep * num_new, span)
     # column 0 stands for every committed key (visible), 1..S for the span, S + 1 for the keys after it
     ext = F.pad(F.pad(vis, (1, 0), value=True), (0, 1), value=False)  # (B, R, S + 2)
-    col = (torch.arange(1, kv_len + 1, device=device) - lengths[:, None]).clamp_(0, span + 1)  # (B, kv_len)
+    col = (_positions(kv_len + 1, device)[1:] - lengths[:, None]).clamp_(0, span + 1)  # (B, kv_len)
     return ext.gather(2, col[:, None, :].expand(B, ext.shape[1], kv_len))[:, None]
 
 
@@ -620,10 +620,33 @@ def causal_block_mask(write_pos: Tensor, kv_len: int, n_rep: int = 1) -> Tensor:
     Shape: write_pos [B, T] int64 -> [B, 1, n_rep * T, kv_len] bool (query heads folded as there).
     """
     B, T = write_pos.shape
-    vis = torch.arange(kv_len, device=write_pos.device) <= write_pos[:, :, None]  # (B, T, kv_len)
+    vis = _positions(kv_len, write_pos.device) <= write_pos[:, :, None]  # (B, T, kv_len)
     if n_rep > 1:   # a view when T == 1, one copy otherwise
         vis = vis[:, None].expand(B, n_rep, T, kv_len).reshape(B, n_rep * T, kv_len)
     return vis[:, None]
+
+
+@functools.lru_cache(maxsize=16)
+def _arange_table(n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device)
+
+
+def _positions(n: int, device: torch.device) -> Tensor:
+    """``torch.arange(n)`` as a view of a cached table (grown in powers of two, never written to).
+
+    A forward's mask and write positions take an arange or two; between two big forwards on CPU each
+    op costs ~10 us, and a one-layer drafter pays that once per call.
+    """
+    if torch.compiler.is_compiling():   # a graph makes its own; the cache is for eager op counts
+        return torch.arange(n, device=device)
+    size = 1 << max(n - 1, 0).bit_length()
+    return _arange_table(max(size, 64), torch.device(device))[:n]
+
+
+@functools.lru_cache(maxsize=16)
+def _bias_values(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """0 and -inf as 0-d tensors of ``dtype`` (the two values of an attention bias), cached."""
+    return (torch.zeros((), dtype=dtype, device=device), torch.full((), float("-inf"), dtype=dtype, device=device))
 
 
 class RMSNorm(nn.Module):
@@ -823,7 +846,7 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
     """
     lengths = cache.lengths
     past = 0 if tree_mask is None else tree_mask.shape[-1] - num_new
-    write_pos = lengths[:, None] + torch.arange(past, past + num_new, device=lengths.device)  # (B, T)
+    write_pos = lengths[:, None] + _positions(past + num_new, lengths.device)[past:]  # (B, T)
     if position_ids is None:
         position_ids = write_pos
     table = module.rope_table(cache.max_len, dtype)
@@ -840,7 +863,9 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
         mask = causal_block_mask(write_pos, kv_len or cache.max_len, n_rep)
     else:
         mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens, n_rep)
-    bias = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+    # one op, not full + masked_fill_; a compiled graph makes its own two values
+    values = _bias_values.__wrapped__ if torch.compiler.is_compiling() else _bias_values
+    bias = torch.where(mask, *values(dtype, mask.device))
     return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask, bias)
 
 
