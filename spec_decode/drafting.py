@@ -235,10 +235,8 @@ class _Expansion:
         q = _draft_q(logits, sampling)
         drawn = sample_without_replacement(q, k, sampling.generator)                    # [B, F, k]
         self.q = q
-        if sampling.all_sampled:
-            self.ids = drawn
-        else:
-            self.ids = torch.where(sampling.sampled[:, None, None], drawn, self.ids)
+        row = None if sampling.all_sampled else sampling.sampled[:, None, None]   # None: every row samples
+        self.ids = drawn if row is None else torch.where(row, drawn, self.ids)
         if not scores:
             return
         # A sampled child's worth is its rank, not its drawn value: the first draw is tried first
@@ -247,7 +245,7 @@ class _Expansion:
         # tree always holds the chain of first draws), lower when the drafter is confident.
         top = torch.topk(q, k, dim=-1).values
         prio = (torch.log(top) - torch.log(top[..., :1])).clamp(min=-1e30)
-        self.lp = prio if sampling.all_sampled else torch.where(sampling.sampled[:, None, None], prio, self.lp)
+        self.lp = prio if row is None else torch.where(row, prio, self.lp)
 
 
 def _keep_prefixes(prio: Tensor, count: int) -> Tensor:

@@ -640,7 +640,7 @@ def _positions(n: int, device: torch.device) -> Tensor:
     if torch.compiler.is_compiling():   # a graph makes its own; the cache is for eager op counts
         return torch.arange(n, device=device)
     size = 1 << max(n - 1, 0).bit_length()
-    return _arange_table(max(size, 64), torch.device(device))[:n]
+    return _arange_table(max(size, 64), device)[:n]
 
 
 @functools.lru_cache(maxsize=16)

@@ -714,15 +714,18 @@ def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
     assert ("_fp32" in lin.__dict__) == bf16_runs_as_fp32()
 
 
-def test_bf16_as_fp32_path_is_a_wrong_answer_detector():
-    """The comparison above catches a path that skips the bias, or rounds the inputs an extra time."""
-    import torch.nn.functional as F
-    from spec_decode.model import onednn_bf16_native
+def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
+    """The comparison above catches a path that skips the bias, or rounds the inputs an extra time.
 
-    if onednn_bf16_native():
-        pytest.skip("this CPU runs bf16 natively: the float32-copy path is not taken here")
+    Its tolerant branch (the float32-copy path's) is forced, so the detector runs on every CPU."""
+    import torch.nn.functional as F
+    from spec_decode import model
+
+    monkeypatch.setattr(model, "onednn_bf16_native", lambda: False)
     lin = _packable_linear(320, 192, True)
     x = torch.randn(2, 5, 192).to(torch.bfloat16)
+    _assert_matches_bf16_f_linear(F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16),
+                                  x, lin)   # the float32-copy path's own answer passes
     no_bias = F.linear(x.float(), lin.weight.float()).to(torch.bfloat16)
     with pytest.raises(AssertionError):
         _assert_matches_bf16_f_linear(no_bias, x, lin)
