@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from spec_decode import cpu_gemm
 from spec_decode.checkpoint import load_state_dict, read_config, save_state_dict
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -409,15 +410,21 @@ class Linear(nn.Linear):
       ``F.linear``: a decode step streams half the weight bytes, and came out 1.35x faster so.
       Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
       one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
+    * **fp32 on AVX2 CPUs**, up to ``cpu_gemm.MAX_ROWS`` rows: ``cpu_gemm.panel_linear``, a
+      panel-packed FMA kernel (built on first use). MKL's sgemm runs a few rows at a third of the
+      core's speed there: a 5-row 192 x 1024 projection takes 64 us, against 24 us in the kernel
+      (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23 against 15 us). Its outputs
+      sum in k order whatever the row count (batch invariant: a row gets the same bits alone or
+      in a verify block). More rows, or no kernel (``cpu_gemm.available()``), take the rule below.
     * **fp32**, wide projections only (``fp32_packs``), on AVX-512 and AVX2 CPUs with their own
       thresholds: there MKL's small-batch sgemm is slow and oneDNN is not. AVX-512: at least
       1,024 outputs over two rows or more, or 3,072 on one row (a 5-row 192 x 4096, a chain's
       verify lm_head: 98-117 us against 207-229 us). AVX2: at least 2,048 outputs over two rows
       or more (5-row 192 x 4096: 150 against 241 us; one row never wins). Narrower projections
       keep ``F.linear``, which is faster for them. Results equal ``F.linear``'s to float32 rounding
-      (the two libraries sum in different orders on few rows), NaN and Inf included.
+      (the libraries sum in different orders on few rows), NaN and Inf included.
 
-    Each path keeps a second copy of the weight (packed or float32), rebuilt when the weight is
+    Each path keeps a second copy of the weight (packed, panels or float32), rebuilt when the weight is
     replaced or changed in place; ``set_packed_linears(module, False)`` turns them all off.
     Everywhere else (grad mode, CUDA, fp16, ``torch.compile``, weights created under
     ``torch.inference_mode``, which keep no version counter), and with ``packed=None`` on a CPU
@@ -461,15 +468,18 @@ class Linear(nn.Linear):
                 route = _BF16_AS_FP32
             elif self.packed or onednn_bf16_native():
                 route = _BF16_PACKED
-        elif (x_dtype is torch.float32 and w_dtype is torch.float32 and fp32_packs(self.out_features, 2)
-              and (self.packed or onednn_fp32_packing_pays())):
-            route = _FP32   # packs from some row count on
+        elif x_dtype is torch.float32 and w_dtype is torch.float32 and (
+                panel_gemm_pays() or (fp32_packs(self.out_features, 2) and (self.packed or onednn_fp32_packing_pays()))):
+            route = _FP32   # the panel kernel, or packed from some row count on
         self._route_by_dtype[(x_dtype, w_dtype)] = route
         return route
 
     def _fp32_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """A float32 projection: packed where ``fp32_packs`` says so (``packed=True`` skips the CPU check)."""
+        """A float32 projection: the panel kernel on AVX2 up to ``cpu_gemm.MAX_ROWS`` rows, else packed where
+        ``fp32_packs`` says so (``packed=True`` skips the CPU check), else ``F.linear``."""
         rows = x.numel() // max(1, x.shape[-1])
+        if rows <= cpu_gemm.MAX_ROWS and panel_gemm_pays():
+            return self._panel_weight(weight, bias)(x)
         if fp32_packs(self.out_features, rows) and (self.packed or onednn_fp32_packing_pays()):
             # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
             return self._run_packed(x, self._cached("_packed", weight, 5), bias)
@@ -486,6 +496,15 @@ class Linear(nn.Linear):
         if cached is None or cached[0] != key:
             cached = self.__dict__["_fp32"] = (key, w.detach().float(), None if b is None else b.detach().float())
         return cached[1], cached[2]
+
+    def _panel_weight(self, weight: Tensor, bias: Tensor | None) -> cpu_gemm.PanelWeight:
+        """float32 ``weight`` and ``bias`` packed for ``cpu_gemm``, rebuilt when the layer's own change."""
+        w, b = self._parameters["weight"], self._parameters["bias"]
+        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+        cached = self.__dict__.get("_panel")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(weight, bias))
+        return cached[1]
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:
         """``weight`` packed for oneDNN, cached under ``name`` until the layer's own weight changes."""
@@ -529,6 +548,12 @@ def _onednn_packed_op_and(cpu_check) -> bool:
 
 
 @functools.cache
+def panel_gemm_pays() -> bool:
+    """True on an AVX2 CPU (not AVX-512, where it was not measured) where ``cpu_gemm``'s kernel runs."""
+    return not _cpu_is_avx512() and cpu_gemm.available()
+
+
+@functools.cache
 def onednn_bf16_native() -> bool:
     """True when this CPU runs oneDNN's bf16 kernels (AVX-512 BW and up) and torch has the packed op."""
     return _onednn_packed_op_and(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -552,7 +577,7 @@ def set_packed_linears(module: nn.Module, on: bool | None) -> None:
         if isinstance(m, Linear):
             m.packed = on
             m._route_by_dtype.clear()
-            for cached in ("_packed", "_fp32"):
+            for cached in ("_packed", "_fp32", "_panel"):
                 m.__dict__.pop(cached, None)
 
 

@@ -698,8 +698,9 @@ def _assert_matches_bf16_f_linear(got, x, lin):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
     """Native oneDNN bf16: the packed path gives F.linear's bits at every row count. Elsewhere, two rows or
-    more run from a float32 copy of the weight and agree to bf16 rounding; one row keeps F.linear."""
-    from spec_decode.model import bf16_runs_as_fp32, onednn_bf16_native
+    more run from a float32 copy of the weight (through the panel kernel where it runs, else packed when
+    wide) and agree to bf16 rounding; one row keeps F.linear."""
+    from spec_decode.model import bf16_runs_as_fp32, onednn_bf16_native, panel_gemm_pays
 
     lin = _packable_linear(out_f, in_f, bias)
     for rows in (1, 2, 5, 17):
@@ -710,8 +711,10 @@ def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
         with torch.inference_mode():
             got = lin(x)
         _assert_matches_bf16_f_linear(got, x, lin)
-    assert ("_packed" in lin.__dict__) == (onednn_bf16_native() or (bf16_runs_as_fp32() and out_f >= 2048))
-    assert ("_fp32" in lin.__dict__) == bf16_runs_as_fp32()
+    as_fp32 = bf16_runs_as_fp32()
+    assert ("_packed" in lin.__dict__) == (onednn_bf16_native() or (as_fp32 and out_f >= 2048 and not panel_gemm_pays()))
+    assert ("_panel" in lin.__dict__) == (as_fp32 and panel_gemm_pays())
+    assert ("_fp32" in lin.__dict__) == as_fp32
 
 
 def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
@@ -760,7 +763,7 @@ def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     set_packed_linears(lin, False)
     with torch.inference_mode():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-    assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__
+    assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__ and "_panel" not in lin.__dict__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -825,10 +828,11 @@ _AVX2_CASES = [(2048, 2, True), (4096, 5, True), (4096, 17, True),
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_fp32_linears_are_packed_per_cpu_class_and_agree_with_f_linear(avx512, out_f, rows, packs, bias):
     """fp32 takes oneDNN's packed path only for wide projections (``fp32_packs``), with thresholds of its own
-    on AVX-512 and on AVX2 CPUs. It agrees with F.linear to fp32 rounding, and NaN/Inf land in the same
-    places. The layer itself runs here for this CPU's class."""
+    on AVX-512 and on AVX2 CPUs; on AVX2 the panel kernel serves these row counts first. Either agrees
+    with F.linear to fp32 rounding, and NaN/Inf land in the same places. The layer itself runs here for
+    this CPU's class."""
     import torch.nn.functional as F
-    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays
+    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays
 
     assert fp32_packs(out_f, rows, avx512=avx512) is packs
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512") != avx512:
@@ -842,7 +846,8 @@ def test_wide_fp32_linears_are_packed_per_cpu_class_and_agree_with_f_linear(avx5
     with torch.inference_mode():
         got = lin(x)
     want = F.linear(x, lin.weight, lin.bias)
-    assert ("_packed" in lin.__dict__) == (packs and onednn_fp32_packing_pays())
+    assert ("_packed" in lin.__dict__) == (packs and onednn_fp32_packing_pays() and not panel_gemm_pays())
+    assert ("_panel" in lin.__dict__) == panel_gemm_pays()
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     finite = want.isfinite()
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
@@ -862,6 +867,10 @@ def test_packed_fp32_linear_follows_in_place_weight_changes():
         after = lin(x)
     torch.testing.assert_close(after, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(before, after)
+    with torch.no_grad():
+        lin.bias.add_(100)    # the panel kernel keeps a padded copy of the bias: it must follow too
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
 
 
 def test_weights_made_under_inference_mode_are_never_packed():
@@ -874,7 +883,12 @@ def test_weights_made_under_inference_mode_are_never_packed():
         lin(x)
         lin.weight.mul_(3)
         assert torch.equal(lin(x), F.linear(x, lin.weight))
-    assert "_packed" not in lin.__dict__
+        lin32 = _packable_linear(32, 16, False).float()
+        x32 = torch.randn(1, 2, 16)
+        lin32(x32)
+        lin32.weight.mul_(3)
+        assert torch.equal(lin32(x32), F.linear(x32, lin32.weight))
+    assert "_packed" not in lin.__dict__ and "_panel" not in lin32.__dict__
 
 
 def test_cache_write_casts_k_and_v_each_to_the_cache_dtype():

@@ -1,0 +1,94 @@
+/* Small-batch float32 projections for AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]).
+ *
+ * Built and loaded by spec_decode/cpu_gemm.py (see its docstring for why and when it is used).
+ *
+ * W comes packed in panels of 16 output columns, [ceil(N / 16), K, 16] (zero padded), so a
+ * microkernel streams each panel once, contiguously, for a block of up to 6 rows of x. Every
+ * output is bias (or 0), then + x[m, k] * W[n, k] for k = 0, 1, ..., K - 1 in that order, each
+ * product and each sum rounded to float32 on its own (mul then add: this file is built with
+ * -ffp-contract=off and calls no FMA). So an output depends neither on M nor on the other rows:
+ * the result is batch invariant, and a torch loop over k gives the same bits (the reference in
+ * cpu_gemm.py). NaN and Inf propagate as IEEE arithmetic says.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <string.h>
+
+#define PANEL 16
+#define MAX_BLOCK_ROWS 6
+
+/* R rows x P panels of accumulators: R * P * 2 ymm registers (at most 12 of the 16). */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+micro(const int R, const int P, int K, int N, const float *x, const float *panels, const float *bias,
+      float *y, int panel0) {
+    __m256 acc[MAX_BLOCK_ROWS][4][2];
+    for (int p = 0; p < P; p++) {
+        const float *b = bias ? bias + (size_t)(panel0 + p) * PANEL : NULL;
+        __m256 b0 = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
+        __m256 b1 = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            acc[r][p][0] = b0;
+            acc[r][p][1] = b1;
+        }
+    }
+    for (int k = 0; k < K; k++) {
+        const float *w = panels + ((size_t)panel0 * K + k) * PANEL;
+        for (int r = 0; r < R; r++) {   /* one broadcast live at a time: the accumulators keep the registers */
+            __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
+            for (int p = 0; p < P; p++) {
+                const float *wp = w + (size_t)p * K * PANEL;
+                acc[r][p][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wp), acc[r][p][0]);
+                acc[r][p][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wp + 8), acc[r][p][1]);
+            }
+        }
+    }
+    for (int p = 0; p < P; p++) {
+        int n0 = (panel0 + p) * PANEL;
+        int valid = N - n0 < PANEL ? N - n0 : PANEL;
+        for (int r = 0; r < R; r++) {
+            float *out = y + (size_t)r * N + n0;
+            if (valid == PANEL) {
+                _mm256_storeu_ps(out, acc[r][p][0]);
+                _mm256_storeu_ps(out + 8, acc[r][p][1]);
+            } else {   /* the zero-padded last panel: keep its real columns */
+                float tmp[PANEL];
+                _mm256_storeu_ps(tmp, acc[r][p][0]);
+                _mm256_storeu_ps(tmp + 8, acc[r][p][1]);
+                memcpy(out, tmp, (size_t)valid * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Panels per microkernel call for a block of R rows: as many accumulators as the registers hold. */
+#define WIDE_PANELS(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : (R) == 3 ? 2 : 1)
+
+#define ROW_BLOCK(R)                                                                     \
+    do {                                                                                 \
+        int p = 0;                                                                       \
+        for (; p + WIDE_PANELS(R) <= num_panels; p += WIDE_PANELS(R))                    \
+            micro(R, WIDE_PANELS(R), K, N, x, panels, bias, y, p);                       \
+        for (; p < num_panels; p++) micro(R, 1, K, N, x, panels, bias, y, p);            \
+    } while (0)
+
+__attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, const float *x,
+                                                      const float *panels, const float *bias, float *y) {
+    int num_panels = (N + PANEL - 1) / PANEL;
+    switch (R) {
+    case 1: ROW_BLOCK(1); break;
+    case 2: ROW_BLOCK(2); break;
+    case 3: ROW_BLOCK(3); break;
+    case 4: ROW_BLOCK(4); break;
+    case 5: ROW_BLOCK(5); break;
+    default: ROW_BLOCK(6); break;
+    }
+}
+
+/* x: [M, K] row-major; panels: [ceil(N / 16), K, 16]; bias: [ceil(N / 16) * 16] or NULL; y: [M, N]. */
+__attribute__((target("avx2,fma"))) void safespec_panel_linear(int M, int K, int N, const float *x,
+                                                           const float *panels, const float *bias, float *y) {
+    for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
+        int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
+        row_block(rows, K, N, x + (size_t)m0 * K, panels, bias, y + (size_t)m0 * N);
+    }
+}

@@ -1,0 +1,210 @@
+"""Tests for spec_decode.cpu_gemm: the AVX2 panel kernel against its pure-torch reference, bit for bit.
+
+The reference (``reference_panel_linear``) emulates the kernel's k-ordered float32 FMAs exactly, so
+the two must agree on every bit over odd shapes, with and without a bias, and with NaN/Inf placed
+in the input, the weight and the bias. Against ``F.linear`` (another summation order) they agree
+to float32 rounding.
+"""
+from __future__ import annotations
+
+import platform
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spec_decode import cpu_gemm
+from spec_decode.cpu_gemm import PanelWeight, reference_panel_linear
+
+X86_AVX2 = (platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
+pytestmark = pytest.mark.skipif(not X86_AVX2, reason="the panel kernel needs an x86-64 CPU with AVX2")
+
+SHAPES = [(1, 1, 1), (1, 192, 5), (2, 3, 16), (3, 7, 17), (5, 192, 320), (6, 33, 40), (7, 65, 31),
+          (13, 19, 100), (4, 512, 48)]
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal bits, NaN included (any NaN payload counts as the same NaN)."""
+    return (got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+            and torch.equal(got.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32)))
+
+
+def _operands(M, K, N, bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    return x, w, b
+
+
+def test_the_kernel_builds_and_loads_on_this_cpu():
+    assert cpu_gemm.available()
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_equals_its_reference_bit_for_bit(M, K, N, bias):
+    x, w, b = _operands(M, K, N, bias)
+    got = PanelWeight(w, b)(x)
+    assert _same_bits(got, reference_panel_linear(x, w, b))
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,K,N", [(3, 7, 17), (6, 33, 40), (13, 19, 100)])
+def test_nan_and_inf_land_where_the_reference_puts_them(M, K, N):
+    x, w, b = _operands(M, K, N, True, seed=1)
+    x[0, 0] = float("nan")                 # row 0: NaN everywhere
+    x[1, K - 1] = float("inf")             # row 1: +-Inf, NaN where a weight is 0
+    w[N - 1, 0] = float("-inf")            # the last column: -+Inf on every row
+    w[N // 2, 1 % K] = float("nan")        # a NaN column
+    w[N // 3, K - 1] = 0.0
+    b[N // 4] = float("inf")               # an Inf bias
+    got = PanelWeight(w, b)(x)
+    want = reference_panel_linear(x, w, b)
+    assert _same_bits(got, want)
+    f = F.linear(x, w, b)
+    assert torch.equal(got.isnan(), f.isnan()) and torch.equal(got.isinf(), f.isinf())
+    assert got.isnan().any() and got.isinf().any()
+
+
+def test_magnitudes_that_make_float64_round_twice():
+    """Wide magnitude ranges make the float64 sum inexact; the reference must still match the FMA."""
+    g = torch.Generator().manual_seed(2)
+    for _ in range(20):
+        x = torch.randn(3, 5, generator=g) * torch.exp2(torch.randint(-30, 30, (3, 5), generator=g).float())
+        w = torch.randn(17, 5, generator=g) * torch.exp2(torch.randint(-30, 30, (17, 5), generator=g).float())
+        assert _same_bits(PanelWeight(w)(x), reference_panel_linear(x, w))
+
+
+def test_a_double_rounding_case_is_emulated_exactly():
+    """fma(1 + 2^-23, (1 - 2^-23) 2^-24, 1 + 2^-23): the float64 sum lands halfway between two float32
+    values, so rounding it again gives 1 + 2^-22, where the single rounding of an FMA gives 1 + 2^-23."""
+    x = torch.tensor([[1 + 2 ** -23]])
+    w = torch.tensor([[(1 - 2 ** -23) * 2 ** -24]])
+    b = torch.tensor([1 + 2 ** -23])
+    twice = (b.double() + x.double() * w.double()).float()
+    assert twice.item() == 1 + 2 ** -22                         # the naive emulation is wrong here
+    assert reference_panel_linear(x, w, b).item() == 1 + 2 ** -23
+    assert PanelWeight(w, b)(x).item() == 1 + 2 ** -23
+
+
+def test_the_overflow_threshold_rounds_by_the_exact_sum():
+    """A float64 sum exactly on float32's overflow threshold rounds to Inf unless the exact sum is inside."""
+    threshold = torch.tensor([cpu_gemm._OVERFLOW_THRESHOLD], dtype=torch.float64)
+    fma = cpu_gemm._fma_f32
+    assert fma(threshold, torch.tensor([0.0])).item() == float("inf")                # exact: a tie, to Inf
+    assert fma(threshold, torch.tensor([-(2.0 ** 40)])).item() == torch.finfo(torch.float32).max
+    assert fma(-threshold, torch.tensor([2.0 ** 40])).item() == -torch.finfo(torch.float32).max
+    assert fma(threshold, torch.tensor([2.0 ** 40])).item() == float("inf")
+
+
+@pytest.mark.parametrize("M", [2, 5, 6, 7, 13, 64])
+def test_a_row_gets_the_same_bits_alone_or_in_a_block(M):
+    """Batch invariance: each output sums in k order whatever the row count."""
+    x, w, b = _operands(M, 192, 320, True, seed=3)
+    packed = PanelWeight(w, b)
+    block = packed(x)
+    for m in (0, M // 2, M - 1):
+        assert _same_bits(packed(x[m:m + 1]), block[m:m + 1])
+
+
+def test_inputs_of_any_leading_shape_and_layout():
+    x, w, b = _operands(10, 24, 40, True, seed=4)
+    packed = PanelWeight(w, b)
+    want = packed(x)
+    assert _same_bits(packed(x.view(2, 5, 24)), want.view(2, 5, 40))
+    assert _same_bits(packed(x.view(1, 2, 5, 24)), want.view(1, 2, 5, 40))
+    strided = torch.randn(24, 10).t()                            # not contiguous
+    assert _same_bits(packed(strided), reference_panel_linear(strided.contiguous(), w, b))
+    assert packed(x[:0]).shape == (0, 40)
+
+
+def test_bad_arguments_are_named():
+    w = torch.randn(16, 8)
+    with pytest.raises(ValueError, match="weight must be a float32"):
+        PanelWeight(w.double())
+    with pytest.raises(ValueError, match="weight must be a float32"):
+        PanelWeight(w[0])
+    with pytest.raises(ValueError, match=r"bias must be a float32 CPU tensor \[16\]"):
+        PanelWeight(w, torch.randn(15))
+    packed = PanelWeight(w)
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[\.\.\., 8\]"):
+        packed(torch.randn(2, 9))
+    with pytest.raises(ValueError, match="x must be a float32"):
+        packed(torch.randn(2, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be a float32"):
+        packed(torch.tensor(1.0))
+
+
+def test_the_packed_copy_does_not_follow_the_weight():
+    """``PanelWeight`` is a snapshot; ``Linear`` rebuilds it when its weight changes (test_model)."""
+    x, w, b = _operands(2, 8, 16, True, seed=5)
+    packed = PanelWeight(w, b)
+    before = packed(x)
+    w.mul_(2)
+    assert _same_bits(packed(x), before)
+
+
+@pytest.fixture
+def fresh_kernel():
+    """Forget the loaded kernel (and ``Linear``'s CPU rule) before and after the test."""
+    from spec_decode import model
+
+    def clear():
+        cpu_gemm._kernel.cache_clear()
+        model.panel_gemm_pays.cache_clear()
+
+    clear()
+    yield
+    clear()
+
+
+def test_a_failed_build_warns_and_linear_falls_back(monkeypatch, tmp_path, fresh_kernel):
+    from spec_decode.model import Linear
+
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="panel kernel could not be built"):
+        assert not cpu_gemm.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # one warning, not one per call
+        assert not cpu_gemm.available()
+    with pytest.raises(RuntimeError, match="not available"):
+        PanelWeight(torch.randn(16, 8))
+    lin = Linear(8, 16).requires_grad_(False)
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert "_panel" not in lin.__dict__
+
+
+def test_a_broken_compiler_is_reported_with_its_message(monkeypatch, tmp_path, fresh_kernel):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'cc: fatal error: no input' >&2\nexit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    with pytest.warns(RuntimeWarning, match="fatal error: no input"):
+        assert not cpu_gemm.available()
+    assert not list((tmp_path / "cache").glob("*.so*"))       # no half-written library left behind
+
+
+def test_the_switch_turns_the_kernel_off(monkeypatch, fresh_kernel):
+    monkeypatch.setenv("SAFESPEC_PANEL_GEMM", "0")
+    assert not cpu_gemm.available()
+
+
+def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    assert cpu_gemm.available()
+    built = list(tmp_path.glob("cpu_gemm-*.so"))
+    assert len(built) == 1
+    cpu_gemm._kernel.cache_clear()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("rebuilt although the cache holds the library")
+
+    monkeypatch.setattr(cpu_gemm.subprocess, "run", no_compiler)
+    assert cpu_gemm.available()
