@@ -406,8 +406,10 @@ class Linear(nn.Linear):
     * **bf16 on any other CPU** (AVX2), over two rows or more: computed from a float32 copy of the
       weight (and bias), the result rounded to bf16 once. There ``F.linear`` runs bf16 4x slower
       than float32 on a 5-row block (192 x 4096: 1,012 against 247 us on an AVX2 EPYC; a whole
-      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). One row keeps bf16
-      ``F.linear``: a decode step streams half the weight bytes, and came out 1.35x faster so.
+      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). Without the panel kernel
+      (below) one row keeps bf16 ``F.linear``: a decode step streams half the weight bytes, and came
+      out 1.35x faster so than MKL's float32. With it, one row runs from the float32 copy too (a
+      one-row 192 x 4096: 45 against 208 us; a chain-4 step 11.6 against 12.6 ms).
       Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
       one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
     * **fp32 on AVX2 CPUs**, up to ``cpu_gemm.MAX_ROWS`` rows: ``cpu_gemm.panel_linear``, a
@@ -454,7 +456,7 @@ class Linear(nn.Linear):
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
         if route is _BF16_AS_FP32:
-            if x.numel() == x.shape[-1]:   # one row: bf16 weights stream fewer bytes and win
+            if x.numel() == x.shape[-1] and not panel_gemm_pays():   # one row: bf16 F.linear streams fewer bytes
                 return F.linear(x, w, b)
             w32, b32 = self._fp32_copy(w, b)
             return self._fp32_forward(x.float(), w32, b32).to(torch.bfloat16)
