@@ -4,11 +4,12 @@
  *
  * W comes packed in panels of 16 output columns, [ceil(N / 16), K, 16] (zero padded), so a
  * microkernel streams each panel once, contiguously, for a block of up to 6 rows of x. Every
- * output is bias (or 0), then + x[m, k] * W[n, k] for k = 0, 1, ..., K - 1 in that order, each
- * product and each sum rounded to float32 on its own (mul then add: this file is built with
- * -ffp-contract=off and calls no FMA). So an output depends neither on M nor on the other rows:
- * the result is batch invariant, and a torch loop over k gives the same bits (the reference in
- * cpu_gemm.py). NaN and Inf propagate as IEEE arithmetic says.
+ * output starts at bias (or 0) and takes one fused multiply-add per k, acc = fma(x[m, k],
+ * W[n, k], acc), for k = 0, 1, ..., K - 1 in that order. So an output depends neither on M nor on
+ * the other rows (batch invariant), and a torch loop over k that emulates each FMA exactly gives
+ * the same bits (reference_panel_linear in cpu_gemm.py). NaN and Inf propagate as IEEE arithmetic
+ * says. The functions carry target("avx2,fma"): the file builds with any flags, and cpu_gemm.py
+ * calls it only on a CPU that has both.
  */
 #include <immintrin.h>
 #include <stddef.h>

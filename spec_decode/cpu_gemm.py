@@ -2,10 +2,10 @@
 
 Why: on an AVX2 EPYC (Zen 2, one thread) MKL's sgemm runs the shipped models' projections over a
 few rows at a third of what the core can do: a 5-row 192 x 1024 projection takes 64 us against
-23 us for one row, and every verify forward is made of such. ``panel_linear`` streams the weight
+23 us for one row, and every verify forward is made of such. ``PanelWeight`` streams the weight
 once per block of up to six rows and runs the same 5-row projection in 24 us (one row in 15 us;
 ``docs/bench.md`` has the table). ``Linear`` (``spec_decode.model``) uses it for float32 math on
-AVX2 CPUs, up to ``MAX_ROWS`` rows, through ``PanelWeight``.
+AVX2 CPUs, up to ``max_rows(torch.get_num_threads())`` rows, through ``PanelWeight``.
 
 The weight is packed once into panels of ``PANEL`` output columns, ``[ceil(N / 16), K, 16]``, zero
 padded. Each output is ``fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], bias[n]))``: one fused
@@ -38,7 +38,15 @@ import torch
 from torch import Tensor
 
 PANEL = 16          # output columns per packed panel (two AVX2 registers)
-MAX_ROWS = 128      # up to here the kernel beat MKL on every shipped shape (measured to 100 rows)
+# The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape: with one
+# torch thread to 128 rows (measured to 100 rows: 1.35x); with two, MKL ties at 16 rows and wins from 32.
+MAX_ROWS = 128
+MAX_ROWS_THREADED = 16
+
+
+def max_rows(threads: int) -> int:
+    """The most rows ``Linear`` gives the kernel when torch runs ``threads`` intra-op threads."""
+    return MAX_ROWS if threads <= 1 else MAX_ROWS_THREADED
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 _CFLAGS = ("-O3", "-shared", "-fPIC")
@@ -46,7 +54,7 @@ _BUILD_TIMEOUT_S = 120
 
 
 def available() -> bool:
-    """True when ``panel_linear`` can run here: an x86-64 CPU with AVX2 and FMA, and the kernel built."""
+    """True when ``PanelWeight`` can run here: an x86-64 CPU with AVX2 and FMA, and the kernel built."""
     return _kernel() is not None
 
 
@@ -56,7 +64,7 @@ class PanelWeight:
     ``weight`` [N, K] and ``bias`` [N] or None, float32 on the CPU, are copied into the kernel's
     layout: ``panels`` [ceil(N / 16), K, 16] and a bias padded to whole panels, both zero padded.
     Calling it on x [..., K] (float32, CPU) returns [..., N]. The caller checks ``available()`` and
-    keeps x to a few rows (``MAX_ROWS``: more run, only slower than torch's kernels).
+    keeps x to a few rows (``max_rows``: more run, only slower than torch's kernels).
     """
 
     __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_bias_ptr", "_kernel")
@@ -103,7 +111,7 @@ class PanelWeight:
 
 
 def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Pure-torch reference of ``panel_linear``: the same bits (k-ordered float32 FMAs, emulated exactly).
+    """Pure-torch reference of ``PanelWeight``: the same bits (k-ordered float32 FMAs, emulated exactly).
 
     Shape: x [M, K], weight [N, K], bias [N] or None (float32) -> [M, N]. K torch steps: for tests.
     """

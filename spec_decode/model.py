@@ -412,8 +412,8 @@ class Linear(nn.Linear):
       one-row 192 x 4096: 45 against 208 us; a chain-4 step 11.6 against 12.6 ms).
       Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
       one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
-    * **fp32 on AVX2 CPUs**, up to ``cpu_gemm.MAX_ROWS`` rows: ``cpu_gemm.panel_linear``, a
-      panel-packed FMA kernel (built on first use). MKL's sgemm runs a few rows at a third of the
+    * **fp32 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16 on more):
+      ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel (built on first use, one thread). MKL's sgemm runs a few rows at a third of the
       core's speed there: a 5-row 192 x 1024 projection takes 64 us, against 24 us in the kernel
       (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23 against 15 us). Its outputs
       sum in k order whatever the row count (batch invariant: a row gets the same bits alone or
@@ -434,6 +434,7 @@ class Linear(nn.Linear):
     """
 
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
+    panel: bool | None = None    # None: the panel kernel where it runs (``panel_gemm_pays``); False: never
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -456,7 +457,7 @@ class Linear(nn.Linear):
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
         if route is _BF16_AS_FP32:
-            if x.numel() == x.shape[-1] and not panel_gemm_pays():   # one row: bf16 F.linear streams fewer bytes
+            if x.numel() == x.shape[-1] and not self._panels_on():   # one row: bf16 F.linear streams fewer bytes
                 return F.linear(x, w, b)
             w32, b32 = self._fp32_copy(w, b)
             return self._fp32_forward(x.float(), w32, b32).to(torch.bfloat16)
@@ -471,16 +472,16 @@ class Linear(nn.Linear):
             elif self.packed or onednn_bf16_native():
                 route = _BF16_PACKED
         elif x_dtype is torch.float32 and w_dtype is torch.float32 and (
-                panel_gemm_pays() or (fp32_packs(self.out_features, 2) and (self.packed or onednn_fp32_packing_pays()))):
+                self._panels_on() or (fp32_packs(self.out_features, 2) and (self.packed or onednn_fp32_packing_pays()))):
             route = _FP32   # the panel kernel, or packed from some row count on
         self._route_by_dtype[(x_dtype, w_dtype)] = route
         return route
 
     def _fp32_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """A float32 projection: the panel kernel on AVX2 up to ``cpu_gemm.MAX_ROWS`` rows, else packed where
+        """A float32 projection: the panel kernel on AVX2 up to ``cpu_gemm.max_rows`` rows, else packed where
         ``fp32_packs`` says so (``packed=True`` skips the CPU check), else ``F.linear``."""
         rows = x.numel() // max(1, x.shape[-1])
-        if rows <= cpu_gemm.MAX_ROWS and panel_gemm_pays():
+        if rows <= cpu_gemm.max_rows(torch.get_num_threads()) and self._panels_on():
             return self._panel_weight(weight, bias)(x)
         if fp32_packs(self.out_features, rows) and (self.packed or onednn_fp32_packing_pays()):
             # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
@@ -498,6 +499,9 @@ class Linear(nn.Linear):
         if cached is None or cached[0] != key:
             cached = self.__dict__["_fp32"] = (key, w.detach().float(), None if b is None else b.detach().float())
         return cached[1], cached[2]
+
+    def _panels_on(self) -> bool:
+        return self.panel is not False and panel_gemm_pays()
 
     def _panel_weight(self, weight: Tensor, bias: Tensor | None) -> cpu_gemm.PanelWeight:
         """float32 ``weight`` and ``bias`` packed for ``cpu_gemm``, rebuilt when the layer's own change."""
@@ -581,6 +585,16 @@ def set_packed_linears(module: nn.Module, on: bool | None) -> None:
             m._route_by_dtype.clear()
             for cached in ("_packed", "_fp32", "_panel"):
                 m.__dict__.pop(cached, None)
+
+
+def set_panel_linears(module: nn.Module, on: bool | None) -> None:
+    """Switch the panel kernel (``cpu_gemm``) in every linear of ``module``: None where it runs, False never
+    (the other CPU paths stay as ``set_packed_linears`` left them)."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.panel = on
+            m._route_by_dtype.clear()
+            m.__dict__.pop("_panel", None)
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:

@@ -1,4 +1,4 @@
-"""Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile | tune | compile] [OPTIONS]``.
+"""Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile | tune | compile | gemm] [OPTIONS]``.
 
 Bad input exits with status 2 and a one-line message naming the option (argparse's ``error``).
 """
@@ -15,7 +15,7 @@ from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPT
                                       BenchInputError, default_dtype_name, default_fixtures_dir)
 from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
 
-SUBCOMMANDS = ("numerics", "gpu-check", "profile", "tune", "compile")
+SUBCOMMANDS = ("numerics", "gpu-check", "profile", "tune", "compile", "gemm")
 
 
 def csv_list(kind):
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare autoregressive, HF generate/assisted and our speculative methods side by side; "
                     "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
                     "'spec-bench gpu-check -h', 'spec-bench profile -h', 'spec-bench tune -h', "
-                    "'spec-bench compile -h'.")
+                    "'spec-bench compile -h', 'spec-bench gemm -h'.")
     add_input_args(p)
     p.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "compile":
         from spec_decode.bench.compile_ab import main as compile_main
         return compile_main(argv[1:])
+    if argv and argv[0] == "gemm":
+        from spec_decode.bench.gemm import main as gemm_main
+        return gemm_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

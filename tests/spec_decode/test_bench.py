@@ -497,6 +497,34 @@ def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     assert split["ar_steps"]["verify_forward"] > 0 and split["step_ar_steps"] > 0
 
 
+def test_gemm_subcommand_times_every_projection_and_compares_end_to_end(fake_fixtures, capsys):
+    from spec_decode import cpu_gemm
+
+    rc = main(["gemm"] + _model_args(fake_fixtures) + ["--rows", "1,5", "--repeats", "3", "--num-prompts", "1",
+                                                       "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    if not cpu_gemm.available():
+        assert rc == 1 and "not available" in out
+        return
+    assert rc == 0
+    assert "F.linear" in out and "kernel on over off" in out and "greedy eagle_chain == ar: on True, off True" in out
+    assert "ar on == ar off: True" in out
+    lines = [ln for ln in out.splitlines() if " x " in ln and ln.strip()[0].isdigit()]
+    assert len(lines) >= 2 * 4   # the fake target's and head's projection shapes, at two row counts
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--rows", "0"], "--rows"),
+    (["--repeats", "0"], "--repeats"),
+    (["--dtype", "fp8"], "--dtype"),
+])
+def test_gemm_bad_arguments(fake_fixtures, capsys, args, needle):
+    with pytest.raises(SystemExit) as exc:
+        main(["gemm"] + _model_args(fake_fixtures) + args)
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--method", "ar"], "--method"),
     (["--method", "hf_generate"], "--method"),

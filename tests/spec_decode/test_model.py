@@ -876,6 +876,47 @@ def test_packed_fp32_linear_follows_in_place_weight_changes():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
 
 
+def test_the_panel_switch_restores_the_other_rules():
+    """``set_panel_linears(m, False)`` drops the kernel's copy and takes the rules it overrides again."""
+    import torch.nn.functional as F
+    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays, set_panel_linears
+
+    lin = _packable_linear(4096, 64, True).float()
+    x = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        on = lin(x)
+    assert ("_panel" in lin.__dict__) == panel_gemm_pays()
+    set_panel_linears(lin, False)
+    with torch.inference_mode():
+        off = lin(x)
+    assert "_panel" not in lin.__dict__
+    assert ("_packed" in lin.__dict__) == (fp32_packs(4096, 5) and onednn_fp32_packing_pays())
+    torch.testing.assert_close(on, off, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(off, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+    set_panel_linears(lin, None)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), on)
+
+
+@pytest.mark.parametrize("threads,rows,panel", [(1, 128, True), (1, 129, False), (2, 16, True), (2, 17, False)])
+def test_the_panel_kernel_takes_few_rows_and_more_on_one_thread(threads, rows, panel):
+    """It runs on one thread: MKL on two threads ties at 16 rows and wins from 32 (``cpu_gemm.max_rows``)."""
+    import torch.nn.functional as F
+    from spec_decode.model import panel_gemm_pays
+
+    lin = _packable_linear(64, 32, True).float()
+    x = torch.randn(rows, 32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            got = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert ("_panel" in lin.__dict__) == (panel and panel_gemm_pays())
+    torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_weights_made_under_inference_mode_are_never_packed():
     """They keep no version counter, so an in-place change could not invalidate a packed copy."""
     import torch.nn.functional as F

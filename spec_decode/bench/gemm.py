@@ -1,0 +1,140 @@
+"""``spec-bench gemm``: the panel kernel (``spec_decode.cpu_gemm``) against torch's kernels, side by side.
+
+Two parts, both float32 (the kernel's arithmetic; bf16 runs through its float32 copy), one thread:
+
+* every projection shape of the target and the EAGLE head (the lm_head included) over a few row
+  counts: the median of ``--repeats`` calls of ``F.linear`` and of the kernel, interleaved;
+* end to end: ``ar`` and ``eagle_chain`` (4/1/5), greedy, with the kernel on and off
+  (``set_panel_linears``), prompts interleaved, after a warm-up call each; tokens/s, the ratio of
+  on over off, and whether the outputs agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from spec_decode.bench.cli import add_input_args, csv_list
+from spec_decode.bench.config import METHOD_SPECS, load_prompts
+from spec_decode.bench.machine import torch_threads
+
+
+def projection_shapes(*modules) -> list[tuple[int, int]]:
+    """The distinct (in_features, out_features) of every ``Linear`` in ``modules``, in first-seen order."""
+    from spec_decode.model import Linear
+
+    seen: dict[tuple[int, int], None] = {}
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, Linear):
+                seen.setdefault((m.in_features, m.out_features), None)
+    return list(seen)
+
+
+def median_us(fn, repeats: int) -> float:
+    for _ in range(max(5, repeats // 10)):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def time_projections(shapes, rows, repeats: int) -> list[dict]:
+    """One dict per (shape, rows): ``f_linear_us``, ``panel_us`` and the largest relative difference."""
+    from spec_decode.cpu_gemm import PanelWeight
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for in_f, out_f in shapes:
+        weight = torch.randn(out_f, in_f, generator=gen)
+        packed = PanelWeight(weight)
+        for r in rows:
+            x = torch.randn(r, in_f, generator=gen)
+            ref, got = F.linear(x, weight), packed(x)
+            rel = ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()  # a report, not a hot path
+            out.append({"in": in_f, "out": out_f, "rows": r, "f_linear_us": median_us(lambda: F.linear(x, weight), repeats),
+                        "panel_us": median_us(lambda: packed(x), repeats), "max_rel_diff": rel})
+    return out
+
+
+def decoders(target_path, eagle_path, dtype) -> dict:
+    """``ar`` and ``eagle_chain``, each with the kernel on and off (two copies of the models)."""
+    from spec_decode import SpecDecoder
+    from spec_decode.eagle import load_drafter
+    from spec_decode.model import Transformer, set_panel_linears
+
+    chain = METHOD_SPECS["eagle_chain"]
+    decs = {}
+    for on in (True, False):
+        target = Transformer.from_pretrained(target_path, dtype=dtype)
+        head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)
+        for module in (target, head):
+            set_panel_linears(module, None if on else False)
+        tag = "on" if on else "off"
+        decs[f"ar {tag}"] = SpecDecoder(target, None, method="none")
+        decs[f"eagle_chain {tag}"] = SpecDecoder(target, head, method="eagle", num_steps=chain.num_steps,
+                                                 topk=chain.topk, num_draft_tokens=chain.num_draft_tokens)
+    return decs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec-bench gemm", description=__doc__.split("\n\n")[0])
+    add_input_args(p)
+    p.add_argument("--rows", type=csv_list(int), default=(1, 2, 3, 5, 8, 16), help="comma list (default 1,2,3,5,8,16)")
+    p.add_argument("--repeats", type=int, default=1000, help="calls per projection timing (median)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts of the end-to-end part (0 skips it)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16: the models' dtype in the end-to-end part")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec_decode import cpu_gemm
+    from spec_decode.bench.compile_ab import measure
+    from spec_decode.dtypes import torch_dtype
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not args.rows or min(args.rows) < 1:
+        p.error(f"--rows must be a comma list of ints >= 1, got {args.rows}")
+    if args.repeats < 1 or args.num_prompts < 0 or args.max_new_tokens < 1:
+        p.error("--repeats and --max-new-tokens must be >= 1, --num-prompts >= 0")
+    try:
+        dtype = torch_dtype(args.dtype)
+    except ValueError as e:
+        p.error(f"--dtype: {e}")
+    if not cpu_gemm.available():
+        print("the panel kernel is not available on this machine (see spec_decode.cpu_gemm)")
+        return 1
+    decs = decoders(args.target, args.eagle, dtype)   # outside inference_mode: its weights are never packed
+    shapes = projection_shapes(decs["eagle_chain on"].target, decs["eagle_chain on"].drafter)
+    with torch_threads(1), torch.inference_mode():
+        rows = time_projections(shapes, args.rows, args.repeats)
+    print(f"float32 projections, 1 thread, torch {torch.__version__}, median of {args.repeats} calls (us)")
+    print(f"  {'in x out':>12s} {'rows':>4s} {'F.linear':>9s} {'panel':>8s} {'speedup':>7s} {'max rel diff':>12s}")
+    for r in rows:
+        print(f"  {r['in']:>5d} x {r['out']:<5d}{r['rows']:>4d} {r['f_linear_us']:9.1f} {r['panel_us']:8.1f} "
+              f"{r['f_linear_us'] / r['panel_us']:6.2f}x {r['max_rel_diff']:12.1e}")
+    if args.num_prompts == 0:
+        return 0
+    with torch_threads(1):
+        prompts = load_prompts(args.prompts, args.num_prompts + 1, decs["ar on"].target.config.vocab_size)
+        seconds, outputs = measure(decs, prompts[:args.num_prompts], prompts[-1], args.max_new_tokens)
+    tokens = args.num_prompts * args.max_new_tokens
+    print(f"end to end: {args.dtype}, {args.num_prompts} prompts x {args.max_new_tokens} tokens, greedy, 1 thread")
+    for name, s in seconds.items():
+        print(f"  {name:18s} {tokens / s:7.1f} tokens/s  {seconds['ar off'] / s:5.2f}x ar off")
+    print(f"  kernel on over off: ar {seconds['ar off'] / seconds['ar on']:.2f}x, "
+          f"eagle_chain {seconds['eagle_chain off'] / seconds['eagle_chain on']:.2f}x; eagle_chain over ar: "
+          f"on {seconds['ar on'] / seconds['eagle_chain on']:.2f}x, off {seconds['ar off'] / seconds['eagle_chain off']:.2f}x")
+    same = {tag: outputs[f"eagle_chain {tag}"] == outputs[f"ar {tag}"] for tag in ("on", "off")}
+    print(f"  greedy eagle_chain == ar: on {same['on']}, off {same['off']}; ar on == ar off: "
+          f"{outputs['ar on'] == outputs['ar off']}")
+    return 0
