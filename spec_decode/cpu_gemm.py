@@ -168,7 +168,7 @@ def _kernel():
 def _cpu_has_avx2_fma() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if not torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")):
         return False
     try:   # torch's capability implies AVX2; FMA is its own flag (every AVX2 CPU we know has it)
         flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
