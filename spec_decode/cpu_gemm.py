@@ -15,8 +15,8 @@ rows (batch invariant: a row gives the same bits alone or in a verify block), an
 arithmetic says.
 
 The C source (``cpu_gemm.c``) is compiled with the system C compiler (``$CC``, else Python's, else
-``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``) the first time it is needed,
-about a second; nothing is downloaded. Without a compiler, on a CPU without AVX2 and FMA, or with
+``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``; a per-user temporary directory
+when that is not writable) the first time it is needed, about a second; nothing is downloaded. Without a compiler, on a CPU without AVX2 and FMA, or with
 ``SAFESPEC_PANEL_GEMM=0``, ``available()`` is False and ``Linear`` keeps its other paths (one
 warning says why the build failed).
 """
@@ -63,7 +63,7 @@ class PanelWeight:
 
     ``weight`` [N, K] and ``bias`` [N] or None, float32 on the CPU, are copied into the kernel's
     layout: ``panels`` [ceil(N / 16), K, 16] and a bias padded to whole panels, both zero padded.
-    Calling it on x [..., K] (float32, CPU) returns [..., N]. The caller checks ``available()`` and
+    Calling it on x [..., K] (float32, CPU, no autograd) returns [..., N]. The caller checks ``available()`` and
     keeps x to a few rows (``max_rows``: more run, only slower than torch's kernels).
     """
 
@@ -98,6 +98,8 @@ class PanelWeight:
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() < 1 or x.shape[-1] != K:
             raise ValueError(f"x must be a float32 CPU tensor [..., {K}], got {x.dtype} {tuple(x.shape)} "
                              f"on {x.device}")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError("x requires grad: PanelWeight is for inference and has no backward (use F.linear)")
         if not x.is_contiguous():
             x = x.contiguous()
         shape = x.shape
@@ -183,9 +185,19 @@ def _compiler() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SAFESPEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "safespec")
-    return Path(root)
+    """``$SAFESPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/safespec`` or ``~/.cache/safespec``, created; a
+    per-user temporary directory when that one cannot be (a read-only home)."""
+    root = Path(os.environ.get("SAFESPEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "safespec"))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if os.access(root, os.W_OK):
+            return root
+    except OSError:
+        pass
+    fallback = Path(tempfile.gettempdir()) / f"safespec-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    fallback.mkdir(parents=True, exist_ok=True)
+    return fallback
 
 
 def _build() -> Path:
@@ -194,7 +206,6 @@ def _build() -> Path:
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join(cmd + list(_CFLAGS)).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"cpu_gemm-{tag}.so"
     if lib.exists():
         return lib

@@ -139,6 +139,8 @@ def test_bad_arguments_are_named():
         packed(torch.randn(2, 8).to(torch.bfloat16))
     with pytest.raises(ValueError, match="x must be a float32"):
         packed(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="x requires grad"):
+        packed(torch.randn(2, 8, requires_grad=True))
 
 
 def test_the_packed_copy_does_not_follow_the_weight():
@@ -211,3 +213,14 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
 
     monkeypatch.setattr(cpu_gemm.subprocess, "run", no_compiler)
     assert cpu_gemm.available()
+
+
+def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path, fresh_kernel):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(blocked / "cache"))   # cannot be created under a file
+    monkeypatch.setattr(cpu_gemm.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu_gemm.available()
+    assert list((tmp_path / "tmp").glob("safespec-*/cpu_gemm-*.so"))
