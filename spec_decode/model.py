@@ -406,18 +406,20 @@ class Linear(nn.Linear):
     * **bf16 on any other CPU** (AVX2), over two rows or more: computed from a float32 copy of the
       weight (and bias), the result rounded to bf16 once. There ``F.linear`` runs bf16 4x slower
       than float32 on a 5-row block (192 x 4096: 1,012 against 247 us on an AVX2 EPYC; a whole
-      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). Without the panel kernel
-      (below) one row keeps bf16 ``F.linear``: a decode step streams half the weight bytes, and came
-      out 1.35x faster so than MKL's float32. With it, one row runs from the float32 copy too (a
-      one-row 192 x 4096: 45 against 208 us; a chain-4 step 11.6 against 12.6 ms).
+      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). One row keeps bf16
+      ``F.linear``: a decode step streams half the weight bytes, and came out 1.35x faster so than
+      MKL's float32. Where the panel kernel (below) runs, it serves these projections first, one
+      row included (one-row 192 x 4096: 45 against 208 us; a chain-4 step 11.6 against 12.6 ms).
       Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
       one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
-    * **fp32 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16 on more):
-      ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel (built on first use, one thread). MKL's sgemm runs a few rows at a third of the
-      core's speed there: a 5-row 192 x 1024 projection takes 64 us, against 24 us in the kernel
-      (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23 against 15 us). Its outputs
-      sum in k order whatever the row count (batch invariant: a row gets the same bits alone or
-      in a verify block). More rows, or no kernel (``cpu_gemm.available()``), take the rule below.
+    * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16
+      on more): ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel in float32 (built on first use,
+      one thread; bf16 inputs go up to float32 and the result rounds to bf16 once). MKL's sgemm runs
+      a few rows at a third of the core's speed there: a 5-row 192 x 1024 projection takes 64 us,
+      against 24 us in the kernel (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23
+      against 15 us). Its outputs sum in k order whatever the row count (batch invariant: a row
+      gets the same bits alone or in a verify block). More rows, or no kernel
+      (``cpu_gemm.available()``), take the rules below.
     * **fp32**, wide projections only (``fp32_packs``), on AVX-512 and AVX2 CPUs with their own
       thresholds: there MKL's small-batch sgemm is slow and oneDNN is not. AVX-512: at least
       1,024 outputs over two rows or more, or 3,072 on one row (a 5-row 192 x 4096, a chain's
@@ -456,12 +458,17 @@ class Linear(nn.Linear):
             return F.linear(x, w, b)
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows <= cpu_gemm.max_rows(torch.get_num_threads()) and self._panels_on():   # float32 math in panels
+            if route is _FP32:
+                return self._panel_weight(w, b)(x)
+            return self._panel_weight(w, b)(x.float()).to(torch.bfloat16)
         if route is _BF16_AS_FP32:
-            if x.numel() == x.shape[-1] and not self._panels_on():   # one row: bf16 F.linear streams fewer bytes
+            if rows == 1:   # one row without the kernel: bf16 F.linear streams fewer bytes and wins
                 return F.linear(x, w, b)
             w32, b32 = self._fp32_copy(w, b)
-            return self._fp32_forward(x.float(), w32, b32).to(torch.bfloat16)
-        return self._fp32_forward(x, w, b)
+            return self._fp32_forward(x.float(), w32, b32, rows).to(torch.bfloat16)
+        return self._fp32_forward(x, w, b, rows)
 
     def _route(self, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
         """Which path a CPU inference call with these dtypes takes (see the class docstring); cached."""
@@ -477,12 +484,9 @@ class Linear(nn.Linear):
         self._route_by_dtype[(x_dtype, w_dtype)] = route
         return route
 
-    def _fp32_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """A float32 projection: the panel kernel on AVX2 up to ``cpu_gemm.max_rows`` rows, else packed where
-        ``fp32_packs`` says so (``packed=True`` skips the CPU check), else ``F.linear``."""
-        rows = x.numel() // max(1, x.shape[-1])
-        if rows <= cpu_gemm.max_rows(torch.get_num_threads()) and self._panels_on():
-            return self._panel_weight(weight, bias)(x)
+    def _fp32_forward(self, x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -> Tensor:
+        """A float32 projection of ``rows`` rows: packed where ``fp32_packs`` says so (``packed=True`` skips
+        the CPU check), else ``F.linear``."""
         if fp32_packs(self.out_features, rows) and (self.packed or onednn_fp32_packing_pays()):
             # the row-count hint picks oneDNN's layout: 5 (a chain's verify block) served 1-16 rows best
             return self._run_packed(x, self._cached("_packed", weight, 5), bias)
@@ -503,13 +507,14 @@ class Linear(nn.Linear):
     def _panels_on(self) -> bool:
         return self.panel is not False and panel_gemm_pays()
 
-    def _panel_weight(self, weight: Tensor, bias: Tensor | None) -> cpu_gemm.PanelWeight:
-        """float32 ``weight`` and ``bias`` packed for ``cpu_gemm``, rebuilt when the layer's own change."""
-        w, b = self._parameters["weight"], self._parameters["bias"]
+    def _panel_weight(self, w: Tensor, b: Tensor | None) -> cpu_gemm.PanelWeight:
+        """The layer's weight and bias (float32 or bf16) packed in float32 for ``cpu_gemm``, rebuilt when
+        either changed. A bf16 layer keeps no other float32 copy on this path."""
         key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
         cached = self.__dict__.get("_panel")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(weight, bias))
+            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(
+                w.detach().float(), None if b is None else b.detach().float()))
         return cached[1]
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:

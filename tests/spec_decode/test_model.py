@@ -694,13 +694,25 @@ def _assert_matches_bf16_f_linear(got, x, lin):
     assert (g != w).sum().item() <= 3e-3 * g.numel()
 
 
+def _bf16_paths(rows_seen) -> tuple[bool, bool]:
+    """(float32 copy made, panels made) for a bf16 layer after calls over ``rows_seen`` rows, on this CPU:
+    the panel kernel takes up to ``cpu_gemm.max_rows`` rows; without it one row keeps bf16 F.linear."""
+    from spec_decode import cpu_gemm
+    from spec_decode.model import bf16_runs_as_fp32, panel_gemm_pays
+
+    if not bf16_runs_as_fp32():
+        return False, False
+    limit = cpu_gemm.max_rows(torch.get_num_threads()) if panel_gemm_pays() else 0
+    return any(r > limit and r > 1 for r in rows_seen), any(r <= limit for r in rows_seen)
+
+
 @pytest.mark.parametrize("out_f,in_f", [(1, 1), (7, 3), (320, 192), (99, 989), (4096, 192)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
     """Native oneDNN bf16: the packed path gives F.linear's bits at every row count. Elsewhere, two rows or
     more run from a float32 copy of the weight (through the panel kernel where it runs, else packed when
     wide) and agree to bf16 rounding; one row keeps F.linear, or takes the panel kernel where it runs."""
-    from spec_decode.model import bf16_runs_as_fp32, onednn_bf16_native, panel_gemm_pays
+    from spec_decode.model import onednn_bf16_native
 
     lin = _packable_linear(out_f, in_f, bias)
     for rows in (1, 2, 5, 17):
@@ -714,10 +726,10 @@ def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
     one_row = torch.randn(1, 1, in_f).to(torch.bfloat16)   # finite: the one-row path's values are compared too
     with torch.inference_mode():
         _assert_matches_bf16_f_linear(lin(one_row), one_row, lin)
-    as_fp32 = bf16_runs_as_fp32()
-    assert ("_packed" in lin.__dict__) == (onednn_bf16_native() or (as_fp32 and out_f >= 2048 and not panel_gemm_pays()))
-    assert ("_panel" in lin.__dict__) == (as_fp32 and panel_gemm_pays())
-    assert ("_fp32" in lin.__dict__) == as_fp32
+    copy, panel = _bf16_paths([1, 4, 10, 34, 1])
+    assert ("_packed" in lin.__dict__) == (onednn_bf16_native() or (copy and out_f >= 2048))
+    assert ("_panel" in lin.__dict__) == panel
+    assert ("_fp32" in lin.__dict__) == copy
 
 
 def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
@@ -742,7 +754,7 @@ def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
 
 def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     import torch.nn.functional as F
-    from spec_decode.model import bf16_runs_as_fp32, onednn_bf16_native, set_packed_linears
+    from spec_decode.model import onednn_bf16_native, set_packed_linears
 
     lin = _packable_linear(64, 48, True)
     x = torch.randn(1, 3, 48).to(torch.bfloat16)
@@ -762,7 +774,7 @@ def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     with torch.inference_mode():
         _assert_matches_bf16_f_linear(lin(x), x, lin)
     assert ("_packed" in lin.__dict__) == onednn_bf16_native()
-    assert ("_fp32" in lin.__dict__) == bf16_runs_as_fp32()
+    assert (("_fp32" in lin.__dict__), ("_panel" in lin.__dict__)) == _bf16_paths([3])
     set_packed_linears(lin, False)
     with torch.inference_mode():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
@@ -779,9 +791,10 @@ def test_packed_linear_leaves_grad_mode_and_other_dtypes_to_f_linear(dtype):
     assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__
     with torch.inference_mode():
         lin(x)
-    from spec_decode.model import bf16_runs_as_fp32, onednn_bf16_native
+    from spec_decode.model import onednn_bf16_native
     assert ("_packed" in lin.__dict__) == (dtype == torch.bfloat16 and onednn_bf16_native())
-    assert ("_fp32" in lin.__dict__) == (dtype == torch.bfloat16 and bf16_runs_as_fp32())
+    if dtype == torch.bfloat16:
+        assert ("_fp32" in lin.__dict__) == _bf16_paths([2])[0]
 
 
 def test_linear_leaves_autocast_to_f_linear():
@@ -799,7 +812,7 @@ def test_linear_leaves_autocast_to_f_linear():
 
 def test_packed_linears_leave_a_bf16_forward_as_f_linear_computes_it(tmp_path):
     """Bit-identical where oneDNN runs bf16; elsewhere (float32 copies) equal to bf16 rounding."""
-    from spec_decode.model import Linear, bf16_runs_as_fp32, onednn_bf16_native, set_packed_linears
+    from spec_decode.model import Linear, onednn_bf16_native, set_packed_linears
 
     model = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.bfloat16)
     outs = []
@@ -818,7 +831,8 @@ def test_packed_linears_leave_a_bf16_forward_as_f_linear_computes_it(tmp_path):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 4 + 1
     assert all(("_packed" in m.__dict__) == onednn_bf16_native() for m in linears if m.out_features < 2048)
-    assert all(("_fp32" in m.__dict__) == bf16_runs_as_fp32() for m in linears)
+    copy, panel = _bf16_paths([18, 6])
+    assert all(("_fp32" in m.__dict__) == copy and ("_panel" in m.__dict__) == panel for m in linears)
 
 
 _AVX512_CASES = [(1024, 2, True), (1024, 5, True), (4096, 1, True), (3072, 1, True),
