@@ -43,14 +43,14 @@ PANEL = 16          # output columns per packed panel (two AVX2 registers)
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
 
+_SOURCE = Path(__file__).with_name("cpu_gemm.c")
+_CFLAGS = ("-O3", "-shared", "-fPIC")
+_BUILD_TIMEOUT_S = 120
+
 
 def max_rows(threads: int) -> int:
     """The most rows ``Linear`` gives the kernel when torch runs ``threads`` intra-op threads."""
     return MAX_ROWS if threads <= 1 else MAX_ROWS_THREADED
-
-_SOURCE = Path(__file__).with_name("cpu_gemm.c")
-_CFLAGS = ("-O3", "-shared", "-fPIC")
-_BUILD_TIMEOUT_S = 120
 
 
 def available() -> bool:
@@ -63,8 +63,8 @@ class PanelWeight:
 
     ``weight`` [N, K] and ``bias`` [N] or None, float32 on the CPU, are copied into the kernel's
     layout: ``panels`` [ceil(N / 16), K, 16] and a bias padded to whole panels, both zero padded.
-    Calling it on x [..., K] (float32, CPU, no autograd) returns [..., N]. The caller checks ``available()`` and
-    keeps x to a few rows (``max_rows``: more run, only slower than torch's kernels).
+    Calling it on x [..., K] (float32, CPU, no autograd) returns [..., N]. The caller checks
+    ``available()`` and keeps x to a few rows (``max_rows``: more run, only slower than torch's).
     """
 
     __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_bias_ptr", "_kernel")

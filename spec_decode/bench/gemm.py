@@ -1,10 +1,10 @@
 """``spec-bench gemm``: the panel kernel (``spec_decode.cpu_gemm``) against torch's kernels, side by side.
 
-Two parts, both float32 (the kernel's arithmetic; bf16 runs through its float32 copy), one thread:
+Two parts, one thread (the kernel's arithmetic is float32; bf16 layers run through it in float32):
 
 * every projection shape of the target and the EAGLE head (the lm_head included) over a few row
-  counts: the median of ``--repeats`` calls of ``F.linear`` and of the kernel, interleaved;
-* end to end: ``ar`` and ``eagle_chain`` (4/1/5), greedy, with the kernel on and off
+  counts, in float32: the median of ``--repeats`` calls of ``F.linear`` and of the kernel;
+* end to end, in ``--dtype``: ``ar`` and ``eagle_chain`` (4/1/5), greedy, with the kernel on and off
   (``set_panel_linears``), prompts interleaved, after a warm-up call each; tokens/s, the ratio of
   on over off, and whether the outputs agree.
 """
