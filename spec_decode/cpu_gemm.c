@@ -13,6 +13,8 @@
  */
 #include <immintrin.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 16
@@ -92,4 +94,44 @@ __attribute__((target("avx2,fma"))) void safespec_panel_linear(int M, int K, int
         int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
         row_block(rows, K, N, x + (size_t)m0 * K, panels, bias, y + (size_t)m0 * N);
     }
+}
+
+/* bf16 -> float32 is exact: the bf16 bits are the high half of the float32's. */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 -> bf16, rounded to nearest even, as torch's scalar conversion (NaN -> a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The same projection for bf16 x and y: x goes up to float32 (exactly), the float32 result of
+ * safespec_panel_linear rounds to bf16 once. A block of rows at a time, through small buffers.
+ * Returns 0, or -1 when the buffers cannot be allocated (y is then left as it was). */
+__attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x,
+                                                               const float *panels, const float *bias,
+                                                               uint16_t *y) {
+    float *xf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (K > 0 ? K : 1));
+    float *yf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (N > 0 ? N : 1));
+    if (!xf || !yf) {
+        free(xf);
+        free(yf);
+        return -1;
+    }
+    for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
+        int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
+        for (size_t i = 0; i < (size_t)rows * K; i++) xf[i] = bf16_to_f32(x[(size_t)m0 * K + i]);
+        row_block(rows, K, N, xf, panels, bias, yf);
+        for (size_t i = 0; i < (size_t)rows * N; i++) y[(size_t)m0 * N + i] = f32_to_bf16(yf[i]);
+    }
+    free(xf);
+    free(yf);
+    return 0;
 }

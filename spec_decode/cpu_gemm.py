@@ -32,6 +32,7 @@ import subprocess
 import sysconfig
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,11 +64,13 @@ class PanelWeight:
 
     ``weight`` [N, K] and ``bias`` [N] or None, float32 on the CPU, are copied into the kernel's
     layout: ``panels`` [ceil(N / 16), K, 16] and a bias padded to whole panels, both zero padded.
-    Calling it on x [..., K] (float32, CPU, no autograd) returns [..., N]. The caller checks
-    ``available()`` and keeps x to a few rows (``max_rows``: more run, only slower than torch's).
+    Calling it on x [..., K] (float32 or bf16, CPU, no autograd) returns [..., N] in x's dtype: bf16
+    goes up to float32 (exactly) inside the kernel, and the float32 result rounds to bf16 once,
+    to nearest even. The caller checks ``available()`` and keeps x to a few rows (``max_rows``: more
+    run, only slower than torch's).
     """
 
-    __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_bias_ptr", "_kernel")
+    __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_bias_ptr", "_kernels")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu:
@@ -77,8 +80,8 @@ class PanelWeight:
         if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype != torch.float32 or not bias.is_cpu):
             raise ValueError(f"bias must be a float32 CPU tensor [{N}], got {bias.dtype} {tuple(bias.shape)} "
                              f"on {bias.device}")
-        self._kernel = _kernel()
-        if self._kernel is None:
+        self._kernels = _kernel()
+        if self._kernels is None:
             raise RuntimeError("the panel kernel is not available here (see spec_decode.cpu_gemm.available)")
         num_panels = -(-N // PANEL)
         padded = weight.new_zeros(num_panels * PANEL, K)
@@ -93,22 +96,28 @@ class PanelWeight:
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: Tensor) -> Tensor:
+        """x [..., K] float32 -> [..., N] float32; bf16 x -> bf16 (float32 math, one rounding at the end)."""
         K, N = self.in_features, self.out_features
+        dtype = x.dtype
         # checked here, on the host: the kernel trusts the shapes it is given
-        if x.dtype != torch.float32 or not x.is_cpu or x.dim() < 1 or x.shape[-1] != K:
-            raise ValueError(f"x must be a float32 CPU tensor [..., {K}], got {x.dtype} {tuple(x.shape)} "
-                             f"on {x.device}")
+        if dtype not in _DTYPES or not x.is_cpu or x.dim() < 1 or x.shape[-1] != K:
+            raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [..., {K}], got {dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
         if x.requires_grad and torch.is_grad_enabled():
             raise ValueError("x requires grad: PanelWeight is for inference and has no backward (use F.linear)")
         if not x.is_contiguous():
             x = x.contiguous()
         shape = x.shape
         # built from ints: torch.Size arithmetic costs more than the kernel on one row of a small layer
-        out = (torch.empty(shape[0], shape[1], N) if len(shape) == 3 else
-               torch.empty(*shape[:-1], N))
+        out = (torch.empty(shape[0], shape[1], N, dtype=dtype) if len(shape) == 3 else
+               torch.empty(*shape[:-1], N, dtype=dtype))
         rows = x.numel() // K if K else out.numel() // max(N, 1)
-        if out.numel():
-            self._kernel(rows, K, N, x.data_ptr(), self._panels_ptr, self._bias_ptr, out.data_ptr())
+        if not out.numel():
+            return out
+        if dtype is torch.float32:
+            self._kernels.fp32(rows, K, N, x.data_ptr(), self._panels_ptr, self._bias_ptr, out.data_ptr())
+        elif self._kernels.bf16(rows, K, N, x.data_ptr(), self._panels_ptr, self._bias_ptr, out.data_ptr()):
+            raise MemoryError(f"the panel kernel could not allocate its {K} + {N} float32 row buffers")
         return out
 
 
@@ -122,6 +131,9 @@ def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     for k in range(x.shape[1]):
         acc = _fma_f32(x64[:, k, None] * w64[None, :, k], acc)
     return acc
+
+
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _fma_f32(product: Tensor, acc: Tensor) -> Tensor:
@@ -151,20 +163,27 @@ _OVERFLOW_THRESHOLD = (2 - 2 ** -24) * 2.0 ** 127   # float32 max + half an ulp:
 
 
 # ------------------------------------------------------------------------------------------ build
+@dataclass(frozen=True)
+class _Kernels:
+    fp32: ctypes._CFuncPtr   # safespec_panel_linear
+    bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
+
+
 @functools.cache
-def _kernel():
-    """The loaded ``safespec_panel_linear`` (a ctypes function), or None where it cannot run."""
+def _kernel() -> _Kernels | None:
+    """The loaded kernels (ctypes functions), or None where they cannot run."""
     if os.environ.get("SAFESPEC_PANEL_GEMM", "1") == "0" or not _cpu_has_avx2_fma():
         return None
     try:
-        fn = ctypes.CDLL(str(_build())).safespec_panel_linear
+        lib = ctypes.CDLL(str(_build()))
+        fp32, bf16 = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
         return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
-    return fn
+    fp32.restype, bf16.restype = None, ctypes.c_int
+    fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    return _Kernels(fp32, bf16)
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -459,10 +459,8 @@ class Linear(nn.Linear):
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
         rows = x.numel() // max(1, x.shape[-1])
-        if rows <= cpu_gemm.max_rows(torch.get_num_threads()) and self._panels_on():   # float32 math in panels
-            if route is _FP32:
-                return self._panel_weight(w, b)(x)
-            return self._panel_weight(w, b)(x.float()).to(torch.bfloat16)
+        if rows <= cpu_gemm.max_rows(torch.get_num_threads()) and self._panels_on():
+            return self._panel_weight(w, b)(x)   # float32 math; bf16 in and out, rounded once
         if route is _BF16_AS_FP32:
             if rows == 1:   # one row without the kernel: bf16 F.linear streams fewer bytes and wins
                 return F.linear(x, w, b)

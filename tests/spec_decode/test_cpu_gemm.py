@@ -133,11 +133,11 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"bias must be a float32 CPU tensor \[16\]"):
         PanelWeight(w, torch.randn(15))
     packed = PanelWeight(w)
-    with pytest.raises(ValueError, match=r"x must be a float32 CPU tensor \[\.\.\., 8\]"):
+    with pytest.raises(ValueError, match=r"x must be a float32 or bfloat16 CPU tensor \[\.\.\., 8\]"):
         packed(torch.randn(2, 9))
-    with pytest.raises(ValueError, match="x must be a float32"):
-        packed(torch.randn(2, 8).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="x must be a float32"):
+    with pytest.raises(ValueError, match="x must be a float32 or bfloat16"):
+        packed(torch.randn(2, 8).double())
+    with pytest.raises(ValueError, match="x must be a float32 or bfloat16"):
         packed(torch.tensor(1.0))
     with pytest.raises(ValueError, match="x requires grad"):
         packed(torch.randn(2, 8, requires_grad=True))
@@ -224,3 +224,30 @@ def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(monkeypatch
         warnings.simplefilter("error")
         assert cpu_gemm.available()
     assert list((tmp_path / "tmp").glob("safespec-*/cpu_gemm-*.so"))
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 192, 5), (3, 7, 17), (7, 65, 31), (13, 19, 100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_inputs_round_the_float32_result_once(M, K, N, bias):
+    """bf16 in, bf16 out: the float32 kernel on the exact upcast, rounded to nearest even as torch does."""
+    x, w, b = _operands(M, K, N, bias, seed=6)
+    xb = x.to(torch.bfloat16)
+    xb[0, 0] = float("nan")
+    xb[-1, -1] = float("inf")
+    got = PanelWeight(w, b)(xb)
+    want = reference_panel_linear(xb.float(), w, b).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16))
+
+
+def test_bf16_rounding_ties_go_to_even():
+    """1 + 2^-8 lies halfway between two bf16 values: it rounds to 1 (even); 1 + 3 * 2^-8 to 1 + 2^-6."""
+    w = torch.eye(16)
+    x = torch.zeros(1, 16).to(torch.bfloat16)
+    x[0, 0], x[0, 1] = 1.0, 2 ** -7
+    packed = PanelWeight(w, torch.tensor([2 ** -8] * 2 + [0.0] * 14))
+    y = packed(x)
+    assert y[0, 0].item() == 1.0                      # 1 + 2^-8: a tie, to the even 1.0
+    assert y[0, 1].item() == 2 ** -7 + 2 ** -8        # exact in bf16, kept
+    assert torch.equal(y.float(), (x.float() + packed.bias[:16]).to(torch.bfloat16).float())
