@@ -326,10 +326,12 @@ class SpecDecoder:
         max_len = self._max_len(req)
         tcache = self.target.new_cache(B, max_len)
         aux = self.drafter.aux_layers if self.drafter else ()
-        out = self.target(ids, tcache, input_lens=lens, aux_layers=aux, kv_len=ids.shape[1])
+        # logits of each prompt's last row only: the lm_head over every prompt row was a tenth of a
+        # prefill (2.6 of 23 ms for 89 tokens on CPU) and only that row's are read
+        out = self.target(ids, tcache, input_lens=lens, aux_layers=aux, kv_len=ids.shape[1], return_logits=False)
         tcache.commit(lens)
         last = (lens - 1)[:, None, None]
-        logits = out.logits.gather(1, last.expand(B, 1, out.logits.shape[-1]))[:, 0]   # [B, V]
+        logits = self.target.compute_logits(out.hidden.gather(1, last.expand(B, 1, out.hidden.shape[-1])))[:, 0]  # [B, V]
         sampling = req.sampling
         batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host,
                        [0] * B, [0] * B, generators, all_sampled=req.all_sampled)
