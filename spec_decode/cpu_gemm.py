@@ -16,9 +16,10 @@ arithmetic says.
 
 The C source (``cpu_gemm.c``) is compiled with the system C compiler (``$CC``, else Python's, else
 ``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``; a per-user temporary directory
-when that is not writable) the first time it is needed, about a second; nothing is downloaded. Without a compiler, on a CPU without AVX2 and FMA, or with
-``SAFESPEC_PANEL_GEMM=0``, ``available()`` is False and ``Linear`` keeps its other paths (one
-warning says why the build failed).
+when that is not writable) the first time it is needed, about a second; nothing is downloaded.
+Without a compiler, on a CPU without AVX2 and FMA, or with ``SAFESPEC_PANEL_GEMM=0``,
+``available()`` is False and ``Linear`` keeps its other paths (one warning says why the build
+failed).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ PANEL = 16          # output columns per packed panel (two AVX2 registers)
 # torch thread to 128 rows (measured to 100 rows: 1.35x); with two, MKL ties at 16 rows and wins from 32.
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
+
+_DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and returns)
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 _CFLAGS = ("-O3", "-shared", "-fPIC")
@@ -131,9 +134,6 @@ def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     for k in range(x.shape[1]):
         acc = _fma_f32(x64[:, k, None] * w64[None, :, k], acc)
     return acc
-
-
-_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _fma_f32(product: Tensor, acc: Tensor) -> Tensor:

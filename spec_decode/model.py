@@ -496,7 +496,7 @@ class Linear(nn.Linear):
 
     def _fp32_copy(self, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """float32 copies of the bf16 weight ``w`` and bias ``b``, rebuilt when either changed."""
-        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+        key = _weights_key(w, b)
         cached = self.__dict__.get("_fp32")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_fp32"] = (key, w.detach().float(), None if b is None else b.detach().float())
@@ -508,7 +508,7 @@ class Linear(nn.Linear):
     def _panel_weight(self, w: Tensor, b: Tensor | None) -> cpu_gemm.PanelWeight:
         """The layer's weight and bias (float32 or bf16) packed in float32 for ``cpu_gemm``, rebuilt when
         either changed. A bf16 layer keeps no other float32 copy on this path."""
-        key = (w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version))
+        key = _weights_key(w, b)
         cached = self.__dict__.get("_panel")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(
@@ -523,6 +523,11 @@ class Linear(nn.Linear):
         if cached is None or cached[0] != key:
             cached = self.__dict__[name] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
         return cached[1]
+
+
+def _weights_key(w: Tensor, b: Tensor | None) -> tuple:
+    """What a copy of weight ``w`` and bias ``b`` is valid for: their storage and in-place versions."""
+    return w.data_ptr(), w._version, None if b is None else (b.data_ptr(), b._version)
 
 
 _PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32 = "plain", "bf16 packed", "bf16 as fp32", "fp32"
