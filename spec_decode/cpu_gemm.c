@@ -8,8 +8,10 @@
  * W[n, k], acc), for k = 0, 1, ..., K - 1 in that order. So an output depends neither on M nor on
  * the other rows (batch invariant), and a torch loop over k that emulates each FMA exactly gives
  * the same bits (reference_panel_linear in cpu_gemm.py). NaN and Inf propagate as IEEE arithmetic
- * says. The functions carry target("avx2,fma"): the file builds with any flags, and cpu_gemm.py
- * calls it only on a CPU that has both.
+ * says. The panels hold float32 or bf16 weights (panels_bf16): bf16 goes up to float32 exactly as
+ * it is loaded, so both give the same bits for the same values, and bf16 streams half the bytes.
+ * The functions carry target("avx2,fma"): the file builds with any flags, and cpu_gemm.py calls
+ * it only on a CPU that has both.
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -20,10 +22,20 @@
 #define PANEL 16
 #define MAX_BLOCK_ROWS 6
 
-/* R rows x P panels of accumulators: R * P * 2 ymm registers (at most 12 of the 16). */
+/* Eight weights from element i of the panels, as float32: bf16 bits are a float32's high half. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
+load_w(const void *panels, size_t i, const int WB) {
+    if (WB) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)panels + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)panels + i);
+}
+
+/* R rows x P panels of accumulators: R * P * 2 ymm registers (at most 12 of the 16). WB: bf16 panels. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
-micro(const int R, const int P, int K, int N, const float *x, const float *panels, const float *bias,
-      float *y, int panel0) {
+micro(const int R, const int P, const int WB, int K, int N, const float *x, const void *panels,
+      const float *bias, float *y, int panel0) {
     __m256 acc[MAX_BLOCK_ROWS][4][2];
     for (int p = 0; p < P; p++) {
         const float *b = bias ? bias + (size_t)(panel0 + p) * PANEL : NULL;
@@ -35,13 +47,13 @@ micro(const int R, const int P, int K, int N, const float *x, const float *panel
         }
     }
     for (int k = 0; k < K; k++) {
-        const float *w = panels + ((size_t)panel0 * K + k) * PANEL;
+        size_t w = ((size_t)panel0 * K + k) * PANEL;   /* element offset of this k in the first panel */
         for (int r = 0; r < R; r++) {   /* one broadcast live at a time: the accumulators keep the registers */
             __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
             for (int p = 0; p < P; p++) {
-                const float *wp = w + (size_t)p * K * PANEL;
-                acc[r][p][0] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wp), acc[r][p][0]);
-                acc[r][p][1] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(wp + 8), acc[r][p][1]);
+                size_t wp = w + (size_t)p * K * PANEL;
+                acc[r][p][0] = _mm256_fmadd_ps(xv, load_w(panels, wp, WB), acc[r][p][0]);
+                acc[r][p][1] = _mm256_fmadd_ps(xv, load_w(panels, wp + 8, WB), acc[r][p][1]);
             }
         }
     }
@@ -66,33 +78,41 @@ micro(const int R, const int P, int K, int N, const float *x, const float *panel
 /* Panels per microkernel call for a block of R rows: as many accumulators as the registers hold. */
 #define WIDE_PANELS(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : (R) == 3 ? 2 : 1)
 
-#define ROW_BLOCK(R)                                                                     \
+#define ROW_BLOCK(R, WB)                                                                 \
     do {                                                                                 \
         int p = 0;                                                                       \
         for (; p + WIDE_PANELS(R) <= num_panels; p += WIDE_PANELS(R))                    \
-            micro(R, WIDE_PANELS(R), K, N, x, panels, bias, y, p);                       \
-        for (; p < num_panels; p++) micro(R, 1, K, N, x, panels, bias, y, p);            \
+            micro(R, WIDE_PANELS(R), WB, K, N, x, panels, bias, y, p);                   \
+        for (; p < num_panels; p++) micro(R, 1, WB, K, N, x, panels, bias, y, p);        \
     } while (0)
 
-__attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, const float *x,
-                                                      const float *panels, const float *bias, float *y) {
+#define ROW_BLOCKS(WB)                      \
+    switch (R) {                            \
+    case 1: ROW_BLOCK(1, WB); break;        \
+    case 2: ROW_BLOCK(2, WB); break;        \
+    case 3: ROW_BLOCK(3, WB); break;        \
+    case 4: ROW_BLOCK(4, WB); break;        \
+    case 5: ROW_BLOCK(5, WB); break;        \
+    default: ROW_BLOCK(6, WB); break;       \
+    }
+
+__attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, const float *x, const void *panels,
+                                                      int panels_bf16, const float *bias, float *y) {
     int num_panels = (N + PANEL - 1) / PANEL;
-    switch (R) {
-    case 1: ROW_BLOCK(1); break;
-    case 2: ROW_BLOCK(2); break;
-    case 3: ROW_BLOCK(3); break;
-    case 4: ROW_BLOCK(4); break;
-    case 5: ROW_BLOCK(5); break;
-    default: ROW_BLOCK(6); break;
+    if (panels_bf16) {
+        ROW_BLOCKS(1)
+    } else {
+        ROW_BLOCKS(0)
     }
 }
 
-/* x: [M, K] row-major; panels: [ceil(N / 16), K, 16]; bias: [ceil(N / 16) * 16] or NULL; y: [M, N]. */
-__attribute__((target("avx2,fma"))) void safespec_panel_linear(int M, int K, int N, const float *x,
-                                                           const float *panels, const float *bias, float *y) {
+/* x: [M, K] row-major; panels: [ceil(N / 16), K, 16], float32 or (panels_bf16) bf16; bias:
+ * [ceil(N / 16) * 16] float32 or NULL; y: [M, N]. */
+__attribute__((target("avx2,fma"))) void safespec_panel_linear(int M, int K, int N, const float *x, const void *panels,
+                                                           int panels_bf16, const float *bias, float *y) {
     for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
         int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
-        row_block(rows, K, N, x + (size_t)m0 * K, panels, bias, y + (size_t)m0 * N);
+        row_block(rows, K, N, x + (size_t)m0 * K, panels, panels_bf16, bias, y + (size_t)m0 * N);
     }
 }
 
@@ -116,8 +136,8 @@ static inline uint16_t f32_to_bf16(float f) {
  * safespec_panel_linear rounds to bf16 once. A block of rows at a time, through small buffers.
  * Returns 0, or -1 when the buffers cannot be allocated (y is then left as it was). */
 __attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x,
-                                                               const float *panels, const float *bias,
-                                                               uint16_t *y) {
+                                                               const void *panels, int panels_bf16,
+                                                               const float *bias, uint16_t *y) {
     float *xf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (K > 0 ? K : 1));
     float *yf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (N > 0 ? N : 1));
     if (!xf || !yf) {
@@ -128,7 +148,7 @@ __attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K,
     for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
         int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
         for (size_t i = 0; i < (size_t)rows * K; i++) xf[i] = bf16_to_f32(x[(size_t)m0 * K + i]);
-        row_block(rows, K, N, xf, panels, bias, yf);
+        row_block(rows, K, N, xf, panels, panels_bf16, bias, yf);
         for (size_t i = 0; i < (size_t)rows * N; i++) y[(size_t)m0 * N + i] = f32_to_bf16(yf[i]);
     }
     free(xf);

@@ -8,7 +8,9 @@ once per block of up to six rows and runs the same 5-row projection in 24 us (on
 AVX2 CPUs, up to ``max_rows(torch.get_num_threads())`` rows, through ``PanelWeight``.
 
 The weight is packed once into panels of ``PANEL`` output columns, ``[ceil(N / 16), K, 16]``, zero
-padded. Each output is ``fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], bias[n]))``: one fused
+padded, in its own dtype: a bf16 weight stays bf16 in the panels (half the bytes to stream; a layer
+that does not fit the caches is read from memory at every call) and goes up to float32, exactly,
+as the kernel loads it. Each output is ``fma(x[m, K-1], w[n, K-1], ... fma(x[m, 0], w[n, 0], bias[n]))``: one fused
 multiply-add per k, in k order, so an output depends neither on the row count nor on the other
 rows (batch invariant: a row gives the same bits alone or in a verify block), and
 ``reference_panel_linear`` reproduces it bit for bit in torch. NaN and Inf propagate as IEEE
@@ -45,7 +47,7 @@ PANEL = 16          # output columns per packed panel (two AVX2 registers)
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
 
-_DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and returns)
+_DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and returns), weights and inputs alike
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 _CFLAGS = ("-O3", "-shared", "-fPIC")
@@ -65,24 +67,27 @@ def available() -> bool:
 class PanelWeight:
     """A float32 projection ``y = x @ W.T + b`` packed for the kernel once, then called on few rows.
 
-    ``weight`` [N, K] and ``bias`` [N] or None, float32 on the CPU, are copied into the kernel's
-    layout: ``panels`` [ceil(N / 16), K, 16] and a bias padded to whole panels, both zero padded.
-    Calling it on x [..., K] (float32 or bf16, CPU, no autograd) returns [..., N] in x's dtype: bf16
-    goes up to float32 (exactly) inside the kernel, and the float32 result rounds to bf16 once,
-    to nearest even. The caller checks ``available()`` and keeps x to a few rows (``max_rows``: more
-    run, only slower than torch's).
+    ``weight`` [N, K] and ``bias`` [N] or None, float32 or bf16 on the CPU, are copied into the
+    kernel's layout: ``panels`` [ceil(N / 16), K, 16] in the weight's dtype and a float32 bias padded
+    to whole panels, both zero padded. The math is float32 either way: bf16 weights and biases go up
+    to float32 exactly, so a bf16 weight gives the same bits as its float32 copy would, from half
+    the bytes. Calling it on x [..., K] (float32 or bf16, CPU, no autograd) returns [..., N] in x's
+    dtype: bf16 x goes up to float32 (exactly) inside the kernel, and the float32 result rounds to
+    bf16 once, to nearest even. The caller checks ``available()`` and keeps x to a few rows
+    (``max_rows``: more run, only slower than torch's).
     """
 
-    __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_bias_ptr", "_kernels")
+    __slots__ = ("out_features", "in_features", "panels", "bias", "_panels_ptr", "_panels_bf16", "_bias_ptr",
+                 "_kernels")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        if weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu:
-            raise ValueError(f"weight must be a float32 CPU tensor [N, K], got {weight.dtype} "
+        if weight.dim() != 2 or weight.dtype not in _DTYPES or not weight.is_cpu:
+            raise ValueError(f"weight must be a float32 or bfloat16 CPU tensor [N, K], got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         N, K = weight.shape
-        if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype != torch.float32 or not bias.is_cpu):
-            raise ValueError(f"bias must be a float32 CPU tensor [{N}], got {bias.dtype} {tuple(bias.shape)} "
-                             f"on {bias.device}")
+        if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype not in _DTYPES or not bias.is_cpu):
+            raise ValueError(f"bias must be a float32 or bfloat16 CPU tensor [{N}], got {bias.dtype} "
+                             f"{tuple(bias.shape)} on {bias.device}")
         self._kernels = _kernel()
         if self._kernels is None:
             raise RuntimeError("the panel kernel is not available here (see spec_decode.cpu_gemm.available)")
@@ -92,10 +97,11 @@ class PanelWeight:
         self.panels = padded.view(num_panels, PANEL, K).transpose(1, 2).contiguous()
         self.bias = None
         if bias is not None:
-            self.bias = bias.new_zeros(num_panels * PANEL)
-            self.bias[:N] = bias.detach()
+            self.bias = torch.zeros(num_panels * PANEL)
+            self.bias[:N] = bias.detach()   # bf16 -> float32: exact
         self.out_features, self.in_features = N, K
         self._panels_ptr = self.panels.data_ptr()
+        self._panels_bf16 = int(weight.dtype is torch.bfloat16)
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -118,8 +124,10 @@ class PanelWeight:
         if not out.numel():
             return out
         if dtype is torch.float32:
-            self._kernels.fp32(rows, K, N, x.data_ptr(), self._panels_ptr, self._bias_ptr, out.data_ptr())
-        elif self._kernels.bf16(rows, K, N, x.data_ptr(), self._panels_ptr, self._bias_ptr, out.data_ptr()):
+            self._kernels.fp32(rows, K, N, x.data_ptr(), self._panels_ptr, self._panels_bf16, self._bias_ptr,
+                               out.data_ptr())
+        elif self._kernels.bf16(rows, K, N, x.data_ptr(), self._panels_ptr, self._panels_bf16, self._bias_ptr,
+                                out.data_ptr()):
             raise MemoryError(f"the panel kernel could not allocate its {K} + {N} float32 row buffers")
         return out
 
@@ -127,8 +135,10 @@ class PanelWeight:
 def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """Pure-torch reference of ``PanelWeight``: the same bits (k-ordered float32 FMAs, emulated exactly).
 
-    Shape: x [M, K], weight [N, K], bias [N] or None (float32) -> [M, N]. K torch steps: for tests.
+    Shape: x [M, K], weight [N, K], bias [N] or None (float32; bf16 ones go up to float32, as in the
+    kernel) -> [M, N] float32. K torch steps: for tests.
     """
+    weight, bias = weight.float(), None if bias is None else bias.float()
     acc = torch.zeros(x.shape[0], weight.shape[0]) if bias is None else bias.expand(x.shape[0], -1).clone()
     x64, w64 = x.double(), weight.double()
     for k in range(x.shape[1]):
@@ -182,7 +192,8 @@ def _kernel() -> _Kernels | None:
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
         return None
     fp32.restype, bf16.restype = None, ctypes.c_int
-    fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4
+    # (M, K, N, x, panels, panels_bf16, bias, y)
+    fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     return _Kernels(fp32, bf16)
 
 

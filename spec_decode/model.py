@@ -414,7 +414,10 @@ class Linear(nn.Linear):
       one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
     * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16
       on more): ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel in float32 (built on first use,
-      one thread; bf16 inputs go up to float32 and the result rounds to bf16 once). MKL's sgemm runs
+      one thread; bf16 inputs go up to float32 and the result rounds to bf16 once; a bf16 layer's
+      panels stay bf16, which gives the same bits from half the bytes: bf16 `ar` 1.10x and chain
+      steps 1.15x faster than from float32 panels, where the 12-layer target overflows the L3
+      cache). MKL's sgemm runs
       a few rows at a third of the core's speed there: a 5-row 192 x 1024 projection takes 64 us,
       against 24 us in the kernel (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23
       against 15 us). Its outputs sum in k order whatever the row count (batch invariant: a row
@@ -506,13 +509,13 @@ class Linear(nn.Linear):
         return self.panel is not False and panel_gemm_pays()
 
     def _panel_weight(self, w: Tensor, b: Tensor | None) -> cpu_gemm.PanelWeight:
-        """The layer's weight and bias (float32 or bf16) packed in float32 for ``cpu_gemm``, rebuilt when
-        either changed. A bf16 layer keeps no other float32 copy on this path."""
+        """The layer's weight and bias packed for ``cpu_gemm``, rebuilt when either changed. The panels
+        keep the weight's dtype (a bf16 layer streams bf16 and keeps no float32 copy on this path)."""
         key = _weights_key(w, b)
         cached = self.__dict__.get("_panel")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(
-                w.detach().float(), None if b is None else b.detach().float()))
+                w.detach(), None if b is None else b.detach()))
         return cached[1]
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:

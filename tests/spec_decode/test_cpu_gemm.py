@@ -126,12 +126,16 @@ def test_inputs_of_any_leading_shape_and_layout():
 
 def test_bad_arguments_are_named():
     w = torch.randn(16, 8)
-    with pytest.raises(ValueError, match="weight must be a float32"):
+    with pytest.raises(ValueError, match="weight must be a float32 or bfloat16"):
         PanelWeight(w.double())
+    with pytest.raises(ValueError, match="weight must be a float32 or bfloat16"):
+        PanelWeight(w.half())
     with pytest.raises(ValueError, match="weight must be a float32"):
         PanelWeight(w[0])
-    with pytest.raises(ValueError, match=r"bias must be a float32 CPU tensor \[16\]"):
+    with pytest.raises(ValueError, match=r"bias must be a float32 or bfloat16 CPU tensor \[16\]"):
         PanelWeight(w, torch.randn(15))
+    with pytest.raises(ValueError, match=r"bias must be a float32 or bfloat16 CPU tensor \[16\]"):
+        PanelWeight(w, torch.randn(16).double())
     packed = PanelWeight(w)
     with pytest.raises(ValueError, match=r"x must be a float32 or bfloat16 CPU tensor \[\.\.\., 8\]"):
         packed(torch.randn(2, 9))
@@ -251,3 +255,45 @@ def test_bf16_rounding_ties_go_to_even():
     assert y[0, 0].item() == 1.0                      # 1 + 2^-8: a tie, to the even 1.0
     assert y[0, 1].item() == 2 ** -7 + 2 ** -8        # exact in bf16, kept
     assert torch.equal(y.float(), (x.float() + packed.bias[:16]).to(torch.bfloat16).float())
+
+
+def _bf16_weight_case(M, K, N, bias, seed):
+    """bf16 weight and bias with NaN/Inf in x, the weight and the bias."""
+    x, w, b = _operands(M, K, N, bias, seed=seed)
+    w = w.to(torch.bfloat16)
+    w[0, -1], w[-1, 0] = float("nan"), float("-inf")
+    x[-1, K // 2] = float("inf")
+    if bias:
+        b = b.to(torch.bfloat16)
+        b[-1] = float("nan")
+    return x, w, b
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_weights_give_the_bits_of_their_float32_values(M, K, N, bias):
+    """bf16 panels (half the bytes) load as float32 exactly: the same bits as the float32 weight, and as
+    the reference, NaN/Inf included; for float32 and bf16 x alike."""
+    x, w, b = _bf16_weight_case(M, K, N, bias, seed=8)
+    packed = PanelWeight(w, b)
+    assert packed.panels.dtype == torch.bfloat16
+    w32, b32 = w.float(), None if b is None else b.float()
+    got = packed(x)
+    assert got.dtype == torch.float32
+    assert _same_bits(got, reference_panel_linear(x, w, b))
+    assert _same_bits(got, PanelWeight(w32, b32)(x))
+    xb = x.to(torch.bfloat16)
+    got16, want16 = packed(xb), PanelWeight(w32, b32)(xb)
+    assert got16.dtype == torch.bfloat16
+    assert torch.equal(got16.isnan(), want16.isnan())
+    assert torch.equal(got16.nan_to_num(0.0).view(torch.int16), want16.nan_to_num(0.0).view(torch.int16))
+
+
+def test_a_wrong_bf16_load_would_be_caught():
+    """The bf16 case above fails for a kernel that read the panels' bits as truncated or shifted values:
+    flipping the lowest bf16 mantissa bit of one weight changes the output bits."""
+    x, w, _ = _operands(3, 40, 33, False, seed=9)
+    w = w.to(torch.bfloat16)
+    nudged = w.clone()
+    nudged.view(torch.int16)[5, 7] ^= 1
+    assert not _same_bits(PanelWeight(w)(x), PanelWeight(nudged)(x))
