@@ -440,6 +440,7 @@ class Linear(nn.Linear):
 
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
     panel: bool | None = None    # None: the panel kernel where it runs (``panel_gemm_pays``); False: never
+    panel_dtype: torch.dtype | None = None   # the panels' dtype: None the weight's; float32 for bf16 weights too
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -514,8 +515,8 @@ class Linear(nn.Linear):
         key = _weights_key(w, b)
         cached = self.__dict__.get("_panel")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(
-                w.detach(), None if b is None else b.detach()))
+            weight = w.detach() if self.panel_dtype is None else w.detach().to(self.panel_dtype)
+            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(weight, None if b is None else b.detach()))
         return cached[1]
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:
@@ -598,12 +599,17 @@ def set_packed_linears(module: nn.Module, on: bool | None) -> None:
                 m.__dict__.pop(cached, None)
 
 
-def set_panel_linears(module: nn.Module, on: bool | None) -> None:
+def set_panel_linears(module: nn.Module, on: bool | None, *, panel_dtype: torch.dtype | None = None) -> None:
     """Switch the panel kernel (``cpu_gemm``) in every linear of ``module``: None where it runs, False never
-    (the other CPU paths stay as ``set_packed_linears`` left them)."""
+    (the other CPU paths stay as ``set_packed_linears`` left them). ``panel_dtype``: None packs each weight
+    in its own dtype; ``torch.float32`` packs bf16 weights in float32 too (the same bits from twice the
+    bytes: ``spec-bench gemm``'s comparison)."""
+    if panel_dtype not in (None, torch.float32):   # float32 holds every bf16 value; nothing narrower is exact
+        raise ValueError(f"panel_dtype must be None or torch.float32, got {panel_dtype!r}")
     for m in module.modules():
         if isinstance(m, Linear):
             m.panel = on
+            m.panel_dtype = panel_dtype
             m._route_by_dtype.clear()
             m.__dict__.pop("_panel", None)
 

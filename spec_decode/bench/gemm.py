@@ -6,7 +6,9 @@ Two parts, one thread (the kernel's arithmetic is float32; bf16 layers run throu
   counts, in float32: the median of ``--repeats`` calls of ``F.linear`` and of the kernel;
 * end to end, in ``--dtype``: ``ar`` and ``eagle_chain`` (4/1/5), greedy, with the kernel on and off
   (``set_panel_linears``), prompts interleaved, after a warm-up call each; tokens/s, the ratio of
-  on over off, and whether the outputs agree.
+  on over off, and whether the outputs agree. In bf16 also "f32 panels": the kernel on bf16 weights
+  packed in float32 (``panel_dtype=torch.float32``, the same bits from twice the bytes), against
+  the default bf16 panels.
 """
 
 from __future__ import annotations
@@ -64,20 +66,27 @@ def time_projections(shapes, rows, repeats: int) -> list[dict]:
     return out
 
 
+def kernel_variants(dtype) -> dict:
+    """tag -> ``set_panel_linears`` arguments (on, panel_dtype) of the end-to-end comparison."""
+    variants = {"on": (None, None), "off": (False, None)}
+    if dtype is torch.bfloat16:
+        variants["f32 panels"] = (None, torch.float32)
+    return variants
+
+
 def decoders(target_path, eagle_path, dtype) -> dict:
-    """``ar`` and ``eagle_chain``, each with the kernel on and off (two copies of the models)."""
+    """``ar`` and ``eagle_chain`` for each of ``kernel_variants`` (a copy of the models each)."""
     from spec_decode import SpecDecoder
     from spec_decode.eagle import load_drafter
     from spec_decode.model import Transformer, set_panel_linears
 
     chain = METHOD_SPECS["eagle_chain"]
     decs = {}
-    for on in (True, False):
+    for tag, (on, panel_dtype) in kernel_variants(dtype).items():
         target = Transformer.from_pretrained(target_path, dtype=dtype)
         head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)
         for module in (target, head):
-            set_panel_linears(module, None if on else False)
-        tag = "on" if on else "off"
+            set_panel_linears(module, on, panel_dtype=panel_dtype)
         decs[f"ar {tag}"] = SpecDecoder(target, None, method="none")
         decs[f"eagle_chain {tag}"] = SpecDecoder(target, head, method="eagle", num_steps=chain.num_steps,
                                                  topk=chain.topk, num_draft_tokens=chain.num_draft_tokens)
@@ -134,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  kernel on over off: ar {seconds['ar off'] / seconds['ar on']:.2f}x, "
           f"eagle_chain {seconds['eagle_chain off'] / seconds['eagle_chain on']:.2f}x; eagle_chain over ar: "
           f"on {seconds['ar on'] / seconds['eagle_chain on']:.2f}x, off {seconds['ar off'] / seconds['eagle_chain off']:.2f}x")
+    if "ar f32 panels" in seconds:
+        print(f"  bf16 panels over f32 panels: ar {seconds['ar f32 panels'] / seconds['ar on']:.2f}x, eagle_chain "
+              f"{seconds['eagle_chain f32 panels'] / seconds['eagle_chain on']:.2f}x; eagle_chain over ar with f32 "
+              f"panels {seconds['ar f32 panels'] / seconds['eagle_chain f32 panels']:.2f}x; the same tokens: "
+              f"{outputs['ar on'] == outputs['ar f32 panels'] and outputs['eagle_chain on'] == outputs['eagle_chain f32 panels']}")
     same = {tag: outputs[f"eagle_chain {tag}"] == outputs[f"ar {tag}"] for tag in ("on", "off")}
     print(f"  greedy eagle_chain == ar: on {same['on']}, off {same['off']}; ar on == ar off: "
           f"{outputs['ar on'] == outputs['ar off']}")

@@ -513,6 +513,19 @@ def test_gemm_subcommand_times_every_projection_and_compares_end_to_end(fake_fix
     assert len(lines) >= 2 * 4   # the fake target's and head's projection shapes, at two row counts
 
 
+def test_gemm_in_bf16_also_compares_float32_panels(fake_fixtures, capsys):
+    from spec_decode import cpu_gemm
+
+    rc = main(["gemm"] + _model_args(fake_fixtures) + ["--rows", "1", "--repeats", "3", "--num-prompts", "1",
+                                                       "--max-new-tokens", "4", "--dtype", "bf16"])
+    out = capsys.readouterr().out
+    if not cpu_gemm.available():
+        assert rc == 1 and "not available" in out
+        return
+    assert rc == 0
+    assert "ar f32 panels" in out and "bf16 panels over f32 panels" in out and "the same tokens: True" in out
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--rows", "0"], "--rows"),
     (["--repeats", "0"], "--repeats"),

@@ -912,6 +912,27 @@ def test_the_panel_switch_restores_the_other_rules():
         assert torch.equal(lin(x), on)
 
 
+def test_bf16_layers_keep_bf16_panels_with_the_bits_of_float32_ones():
+    """A bf16 layer's panels stay bf16 (half the bytes); ``panel_dtype=torch.float32`` packs them in float32,
+    with the same outputs bit for bit (bf16 -> float32 is exact)."""
+    from spec_decode.model import panel_gemm_pays, set_panel_linears
+
+    if not panel_gemm_pays():
+        pytest.skip("the panel kernel does not run on this CPU")
+    lin = _packable_linear(320, 192, True).to(torch.bfloat16)
+    x = torch.randn(1, 5, 192).to(torch.bfloat16)
+    with torch.inference_mode():
+        bf16_panels = lin(x)
+    assert lin.__dict__["_panel"][1].panels.dtype == torch.bfloat16
+    set_panel_linears(lin, None, panel_dtype=torch.float32)
+    with torch.inference_mode():
+        f32_panels = lin(x)
+    assert lin.__dict__["_panel"][1].panels.dtype == torch.float32
+    assert torch.equal(bf16_panels.view(torch.int16), f32_panels.view(torch.int16))
+    with pytest.raises(ValueError, match="panel_dtype must be None or torch.float32"):
+        set_panel_linears(lin, None, panel_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("threads,rows,panel", [(1, 128, True), (1, 129, False), (2, 16, True), (2, 17, False)])
 def test_the_panel_kernel_takes_few_rows_and_more_on_one_thread(threads, rows, panel):
     """It runs on one thread: MKL on two threads ties at 16 rows and wins from 32 (``cpu_gemm.max_rows``)."""
