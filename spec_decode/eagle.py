@@ -170,13 +170,14 @@ class _DraftHead(RopeFrequencies, nn.Module):
             # shared with the target: bypass Module registration so it is neither saved nor moved with the head
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
 
+    # read past nn.Module's attribute lookup (~1 us a level): a one-token head call asks several times
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self._modules["fc"]._parameters["weight"].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self._modules["fc"]._parameters["weight"].dtype
 
     def num_cache_layers(self) -> int:
         return 1
@@ -201,20 +202,23 @@ class _DraftHead(RopeFrequencies, nn.Module):
 
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
                          input_lens, kv_len, feature_dims: tuple[int, ...]):
-        check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
+        fc_weight = self._modules["fc"]._parameters["weight"]
+        device, dtype = fc_weight.device, fc_weight.dtype
+        check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, device)
         B, T = input_ids.shape
         if not isinstance(hidden, Tensor):
             raise ValueError(f"hidden (the features) must be a tensor [B={B}, T={T}, H in {feature_dims}], got "
                              f"{type(hidden).__name__}")
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (B, T) or hidden.shape[2] not in feature_dims:
             raise ValueError(f"hidden must have shape [B={B}, T={T}, H in {feature_dims}], got {tuple(hidden.shape)}")
-        if hidden.device != self.device:
-            raise ValueError(f"hidden is on {hidden.device}, the head on {self.device}")
+        if hidden.device != device:
+            raise ValueError(f"hidden is on {hidden.device}, the head on {device}")
         if cache.num_layers != self.num_cache_layers():
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
-        emb = self.embed_tokens(input_ids).to(self.dtype)  # (B, T, H)
-        li = prepare_block(self, cache, T, self.dtype, position_ids, tree_mask, input_lens, kv_len)
-        return emb, hidden.to(self.dtype), li
+        emb = self.embed_tokens(input_ids)  # (B, T, H)
+        li = prepare_block(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len)
+        # the casts are skipped, not made no-ops: an op call costs ~1 us
+        return (emb if emb.dtype == dtype else emb.to(dtype)), (hidden if hidden.dtype == dtype else hidden.to(dtype)), li
 
     def to_hf_config(self) -> dict:
         cfg = self.config.to_hf_dict()

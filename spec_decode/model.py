@@ -965,12 +965,12 @@ class Transformer(RopeFrequencies, nn.Module):
 
     # ---- helpers
     @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+    def device(self) -> torch.device:   # past nn.Module's attribute lookup: asked several times a forward
+        return self._modules["embed_tokens"]._parameters["weight"].device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self._modules["embed_tokens"]._parameters["weight"].dtype
 
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
         """Zeroed KV cache for ``batch_size`` slots of ``max_len`` rows, in the model dtype by default."""
