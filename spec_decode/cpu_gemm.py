@@ -19,6 +19,7 @@ arithmetic says.
 The C source (``cpu_gemm.c``) is compiled with the system C compiler (``$CC``, else Python's, else
 ``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``; a per-user temporary directory
 when that is not writable) the first time it is needed, about a second; nothing is downloaded.
+A new build prunes the directory to the four most recently used builds.
 Without a compiler, on a CPU without AVX2 and FMA, or with ``SAFESPEC_PANEL_GEMM=0``,
 ``available()`` is False and ``Linear`` keeps its other paths (one warning says why the build
 failed).
@@ -52,6 +53,7 @@ _DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and return
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 _CFLAGS = ("-O3", "-shared", "-fPIC")
 _BUILD_TIMEOUT_S = 120
+_KEEP_BUILDS = 4    # builds kept in the cache directory (one per source and compiler); older ones are pruned
 
 
 def max_rows(threads: int) -> int:
@@ -238,6 +240,7 @@ def _build() -> Path:
     out_dir = _cache_dir()
     lib = out_dir / f"cpu_gemm-{tag}.so"
     if lib.exists():
+        _touch(lib)   # recently used: the pruning keeps it
         return lib
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -245,9 +248,37 @@ def _build() -> Path:
         subprocess.run([*cmd, *_CFLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
                        timeout=_BUILD_TIMEOUT_S)
         os.replace(tmp, lib)   # atomic: a reader never sees a half-written library
+        _prune_builds(out_dir, keep=lib)
     except subprocess.CalledProcessError as err:
         raise OSError(f"{' '.join(err.cmd)} failed: {err.stderr.decode(errors='replace').strip()[:500]}") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:   # a read-only cache still serves its builds
+        pass
+
+
+def _prune_builds(out_dir: Path, keep: Path) -> None:
+    """Keep the ``_KEEP_BUILDS`` most recently used builds (``keep`` among them), delete the rest.
+
+    Each source change or compiler makes a new build; several installs sharing one cache each keep
+    theirs while at most ``_KEEP_BUILDS`` of them alternate. A process that loaded a deleted build
+    keeps its mapping (POSIX), and one that needs it again rebuilds it.
+    """
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return float("-inf")
+    builds = sorted((p for p in out_dir.glob("cpu_gemm-*.so") if p != keep), key=used, reverse=True)
+    for old in builds[_KEEP_BUILDS - 1:]:
+        try:
+            old.unlink()
+        except OSError:
+            pass

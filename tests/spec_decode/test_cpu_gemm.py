@@ -219,6 +219,25 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
     assert cpu_gemm.available()
 
 
+def test_a_new_build_prunes_all_but_the_most_recently_used_ones(monkeypatch, tmp_path, fresh_kernel):
+    import os
+
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    old = [tmp_path / f"cpu_gemm-old{i}.so" for i in range(6)]
+    for i, path in enumerate(old):
+        path.write_bytes(b"stale")
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))   # old5 the most recently used
+    other = tmp_path / "unrelated.so"
+    other.write_bytes(b"not ours")
+    assert cpu_gemm.available()
+    kept = sorted(p.name for p in tmp_path.glob("cpu_gemm-*.so"))
+    assert len(kept) == cpu_gemm._KEEP_BUILDS
+    assert {"cpu_gemm-old5.so", "cpu_gemm-old4.so", "cpu_gemm-old3.so"} <= set(kept)
+    assert other.exists()
+    built = [p for p in kept if not p.startswith("cpu_gemm-old")]
+    assert len(built) == 1
+
+
 def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path, fresh_kernel):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
