@@ -415,9 +415,9 @@ class Linear(nn.Linear):
     * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16
       on more): ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel in float32 (built on first use,
       one thread; bf16 inputs go up to float32 and the result rounds to bf16 once; a bf16 layer's
-      panels stay bf16, which gives the same bits from half the bytes: bf16 `ar` 1.10x and chain
-      steps 1.15x faster than from float32 panels, where the 12-layer target overflows the L3
-      cache). MKL's sgemm runs
+      panels stay bf16, which gives the same bits from half the bytes: bf16 `ar` 1.08-1.10x and
+      chain steps 1.10-1.15x faster than from float32 panels in three A/B runs, where the 12-layer
+      target's float32 panels overflow the L3 cache). MKL's sgemm runs
       a few rows at a third of the core's speed there: a 5-row 192 x 1024 projection takes 64 us,
       against 24 us in the kernel (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23
       against 15 us). Its outputs sum in k order whatever the row count (batch invariant: a row

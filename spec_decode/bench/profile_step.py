@@ -239,12 +239,15 @@ def format_split(title: str, split: dict) -> str:
     return "\n".join(lines)
 
 
-def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: int) -> str:
-    """cProfile of greedy ``generate`` over ``prompts`` (one call each): the top ``top`` functions by own time."""
+def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: int, *, temperature: float = 0.0,
+                 seed: int = 0) -> str:
+    """cProfile of ``generate`` at ``temperature`` over ``prompts`` (one call each, seeded as the split's
+    pass): the top ``top`` functions by own time."""
     prof = cProfile.Profile()
     prof.enable()
     for p in prompts:
-        decoder.generate([p], max_new_tokens=max_new_tokens)
+        decoder.generate([p], max_new_tokens=max_new_tokens, temperature=temperature,
+                         seed=seed if temperature > 0 else None)
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
@@ -306,5 +309,6 @@ def main(argv: list[str] | None = None) -> int:
                                              "temperature": args.temperature, "num_prompts": len(prompts),
                                              "max_new_tokens": args.max_new_tokens, **split}, indent=2))
         if args.cprofile > 0:
-            print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile))
+            print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile,
+                               temperature=args.temperature, seed=cfg.seed))
     return 0

@@ -480,6 +480,25 @@ def test_profile_needs_the_public_hook():
         profile_split(NoHook(), NoHook(), None, [[1]], 2, phases=("drafting",))
 
 
+def test_the_cprofile_pass_runs_at_the_splits_temperature():
+    """``--cprofile`` profiles the same sampling as the split (it once ran greedy whatever --temperature)."""
+    from spec_decode.bench.profile_step import cprofile_top
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, **kwargs):
+            self.calls.append(kwargs)
+
+    dec = Recorder()
+    assert "function calls" in cprofile_top(dec, [[1, 2], [3]], 4, 5, temperature=1.0, seed=7)
+    assert dec.calls == [dict(max_new_tokens=4, temperature=1.0, seed=7)] * 2
+    greedy = Recorder()
+    cprofile_top(greedy, [[1]], 4, 5)
+    assert greedy.calls == [dict(max_new_tokens=4, temperature=0.0, seed=None)]
+
+
 def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     from spec_decode.pipeline import PHASES
 
