@@ -31,6 +31,7 @@ sampled drafts
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
@@ -151,7 +152,7 @@ class _Pool:
         self.scores: list[Tensor] = []     # each [B, n] float32 cumulative log-prob
         self.tokens: list[Tensor] = []     # each [B, n] int64 target ids
         self.parents: list[Tensor] = []    # each [B, n] int64 pool index, -1 = root
-        self.kept: list[Tensor] = []       # each [B, n] bool: chosen for a sampled row's tree
+        self.kept: list[Tensor | None] = []   # each [B, n] bool: chosen for a sampled row's tree (None: greedy)
         self.depth: list[int] = []
         self.size = 0
         self.anc = torch.zeros(batch, capacity, capacity, dtype=torch.bool, device=device)
@@ -160,10 +161,10 @@ class _Pool:
         """Append one depth's candidates; returns the pool index of the first one."""
         base, n = self.size, tokens.shape[1]
         B = tokens.shape[0]
-        rows = torch.arange(base, base + n, device=tokens.device)
         if depth > 1:
             self.anc[:, base:base + n] = self.anc.gather(1, parents[:, :, None].expand(B, n, self.anc.shape[2]))
-        self.anc[:, rows, rows] = True
+        # each new entry is its own ancestor: the entries (i, base + i) of the new rows, one in-place op
+        self.anc[:, base:base + n].diagonal(offset=base, dim1=1, dim2=2).fill_(True)
         self.scores.append(scores)
         self.tokens.append(tokens)
         self.parents.append(parents)
@@ -173,9 +174,18 @@ class _Pool:
         return base
 
     def cat(self):
-        depth = torch.cat([torch.full_like(t, d) for t, d in zip(self.tokens, self.depth)], dim=1)
-        return (torch.cat(self.scores, 1), torch.cat(self.tokens, 1), torch.cat(self.parents, 1),
-                torch.cat(self.kept, 1), depth)
+        """(scores, tokens, parents, kept or None, depth), each [B, P]; depth is a broadcast view."""
+        sizes = tuple(t.shape[1] for t in self.tokens)
+        depth = _pool_depths(sizes, tuple(self.depth), self.tokens[0].device).expand(self.tokens[0].shape[0], -1)
+        kept = None if self.kept[0] is None else torch.cat(self.kept, 1)
+        return (torch.cat(self.scores, 1), torch.cat(self.tokens, 1), torch.cat(self.parents, 1), kept, depth)
+
+
+@functools.lru_cache(maxsize=64)
+def _pool_depths(sizes: tuple[int, ...], depths: tuple[int, ...], device: torch.device) -> Tensor:
+    """The depth of every pool entry, [P] int64, for a pool of ``sizes`` entries per depth (cached: the
+    same few shapes every step, and an op per depth costs ~10 us on CPU). Never written to."""
+    return torch.cat([torch.full((n,), d, dtype=torch.long, device=device) for n, d in zip(sizes, depths)])
 
 
 def _greedy_children(logits: Tensor, k: int, score_temperature: float = 1.0) -> tuple[Tensor, Tensor]:
@@ -300,7 +310,9 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
     """``draft_tree`` for any shape: scored pool, ancestor sets, EAGLE-2 selection."""
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
-    no_kept = lambda n: torch.zeros(B, n, dtype=torch.bool, device=device)
+    # greedy trees keep no flags: every candidate is eligible (None skips their ops)
+    no_kept = lambda n: None if sampling is None else torch.zeros(B, n, dtype=torch.bool, device=device)
+    take = lambda t, idx: None if t is None else t.gather(1, idx)
     pool = _Pool(B, k + (num_steps - 1) * k * k, device)
     exp = _Expansion(first_logits[:, None], k, sampling, score_temperature)
     score, tokens = exp.lp[:, 0], drafter.to_target_ids(exp.ids[:, 0])         # [B, k]
@@ -309,7 +321,7 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
     node_q = [(torch.zeros(B, 1, dtype=torch.long, device=device), exp.q)]   # (pool idx, q); root first
     pick = _pick_frontier(score, kept, sampling, k)                             # [B, k] within the depth
     frontier_pool, frontier_score, frontier_kept, frontier_tokens = (
-        pick, score.gather(1, pick), kept.gather(1, pick), tokens.gather(1, pick))
+        pick, score.gather(1, pick), take(kept, pick), tokens.gather(1, pick))
     frontier_hidden = None if first_hidden is None else first_hidden[:, None, :].expand(B, k, -1)
     spec_pool = frontier_pool.new_zeros(B, 0)                                   # pool idx of each spec row
     for step in range(1, num_steps):
@@ -330,11 +342,12 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
             # clamp: a kept parent's slots must outrank every slot of a parent that is not kept
             prio = score.clamp(min=-1e30).masked_fill(~frontier_kept.repeat_interleave(k, 1), float("-inf"))
             kept = _keep_prefixes(prio, budget[step])
-        base = pool.add(score, tokens, frontier_pool.repeat_interleave(k, 1), kept, step + 1)
+        parents = frontier_pool[:, :, None].expand(B, k, k).reshape(B, k * k)   # each frontier row's k children
+        base = pool.add(score, tokens, parents, kept, step + 1)
         if step + 1 < num_steps:
             pick = _pick_frontier(score, kept, sampling, k)                    # [B, k] within this depth
             frontier_pool, frontier_score, frontier_kept, frontier_tokens = (
-                base + pick, score.gather(1, pick), kept.gather(1, pick), tokens.gather(1, pick))
+                base + pick, score.gather(1, pick), take(kept, pick), tokens.gather(1, pick))
             if feedback is not None:
                 src = torch.div(pick, k, rounding_mode="floor")                 # the frontier row it came from
                 frontier_hidden = feedback.gather(1, src[:, :, None].expand(B, k, feedback.shape[-1]))
@@ -426,9 +439,8 @@ def _select_tree(root, pool: _Pool, num_draft_tokens: int, num_steps: int, sampl
     # The verify mask from the pool's ancestor sets: rows and columns of the chosen entries, plus the root.
     anc = pool.anc.gather(1, chosen[:, :, None].expand(B, keep, P)).gather(
         2, chosen[:, None, :].expand(B, keep, keep))
-    if real is not None:
-        anc = anc & real[:, :, None] & real[:, None, :]
-    anc = anc | torch.eye(keep, dtype=torch.bool, device=device)
+    if real is not None:   # padding places keep only themselves (a pool entry is its own ancestor already)
+        anc = (anc & real[:, :, None] & real[:, None, :]) | torch.eye(keep, dtype=torch.bool, device=device)
     mask = torch.zeros(B, keep + 1, keep + 1, dtype=torch.bool, device=device)
     mask[:, :, 0] = True
     if real is not None:
