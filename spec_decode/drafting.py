@@ -394,10 +394,10 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
                      max_depth=num_steps, draft_probs=draft_probs, max_children=1, chain=True)
 
 
-def _pick_frontier(score: Tensor, kept: Tensor, sampling: DraftSampling | None, k: int) -> Tensor:
+def _pick_frontier(score: Tensor, kept: Tensor | None, sampling: DraftSampling | None, k: int) -> Tensor:
     """Greedy rows: the k best candidates by score. Sampled rows: the kept ones first (then padding).
 
-    Shape: score, kept [B, n] -> [B, k] indices into the n candidates.
+    Shape: score, kept [B, n] (kept None for greedy trees) -> [B, k] indices into the n candidates.
     """
     if sampling is not None:
         key = torch.where(kept, score, float("-inf"))
