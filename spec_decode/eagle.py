@@ -202,8 +202,7 @@ class _DraftHead(RopeFrequencies, nn.Module):
 
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
                          input_lens, kv_len, feature_dims: tuple[int, ...]):
-        fc_weight = self._modules["fc"]._parameters["weight"]
-        device, dtype = fc_weight.device, fc_weight.dtype
+        device, dtype = self.device, self.dtype   # once per forward
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, device)
         B, T = input_ids.shape
         if not isinstance(hidden, Tensor):
