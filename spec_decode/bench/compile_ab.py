@@ -19,19 +19,28 @@ from spec_decode.bench.machine import torch_threads
 from spec_decode.dtypes import torch_dtype
 
 
-def decoders(target_path, eagle_path, dtype, compile: bool) -> dict:
-    """``ar`` and ``eagle_chain`` over their own copy of the models. Returns {name: SpecDecoder}."""
+def ar_and_chain(target_path, eagle_path, dtype, tag: str, *, compile: bool = False, prepare=None) -> dict:
+    """``ar`` and ``eagle_chain`` (4/1/5) over their own copy of the models, named ``"ar <tag>"`` and
+    ``"eagle_chain <tag>"``. ``prepare(module)``, when given, runs on the target and the head first.
+    Returns {name: SpecDecoder}."""
     from spec_decode import SpecDecoder
     from spec_decode.eagle import load_drafter
     from spec_decode.model import Transformer
 
     target = Transformer.from_pretrained(target_path, dtype=dtype)
     head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)
+    if prepare is not None:
+        for module in (target, head):
+            prepare(module)
     chain = METHOD_SPECS["eagle_chain"]
-    tag = "compiled" if compile else "eager"
     return {f"ar {tag}": SpecDecoder(target, None, method="none", compile=compile),
             f"eagle_chain {tag}": SpecDecoder(target, head, method="eagle", num_steps=chain.num_steps, topk=chain.topk,
                                               num_draft_tokens=chain.num_draft_tokens, compile=compile)}
+
+
+def decoders(target_path, eagle_path, dtype, compile: bool) -> dict:
+    """``ar_and_chain`` tagged "compiled" or "eager"."""
+    return ar_and_chain(target_path, eagle_path, dtype, "compiled" if compile else "eager", compile=compile)
 
 
 def measure(decs: dict, prompts, warm, max_new_tokens: int) -> tuple[dict, dict]:

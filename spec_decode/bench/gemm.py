@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from spec_decode.bench.cli import add_input_args, csv_list
-from spec_decode.bench.config import METHOD_SPECS, load_prompts
+from spec_decode.bench.config import load_prompts
 from spec_decode.bench.machine import torch_threads
 
 
@@ -76,20 +76,13 @@ def kernel_variants(dtype) -> dict:
 
 def decoders(target_path, eagle_path, dtype) -> dict:
     """``ar`` and ``eagle_chain`` for each of ``kernel_variants`` (a copy of the models each)."""
-    from spec_decode import SpecDecoder
-    from spec_decode.eagle import load_drafter
-    from spec_decode.model import Transformer, set_panel_linears
+    from spec_decode.bench.compile_ab import ar_and_chain
+    from spec_decode.model import set_panel_linears
 
-    chain = METHOD_SPECS["eagle_chain"]
     decs = {}
     for tag, (on, panel_dtype) in kernel_variants(dtype).items():
-        target = Transformer.from_pretrained(target_path, dtype=dtype)
-        head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)
-        for module in (target, head):
-            set_panel_linears(module, on, panel_dtype=panel_dtype)
-        decs[f"ar {tag}"] = SpecDecoder(target, None, method="none")
-        decs[f"eagle_chain {tag}"] = SpecDecoder(target, head, method="eagle", num_steps=chain.num_steps,
-                                                 topk=chain.topk, num_draft_tokens=chain.num_draft_tokens)
+        decs.update(ar_and_chain(target_path, eagle_path, dtype, tag,
+                                 prepare=lambda m, on=on, pd=panel_dtype: set_panel_linears(m, on, panel_dtype=pd)))
     return decs
 
 
