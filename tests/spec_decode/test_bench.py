@@ -548,27 +548,18 @@ def test_gemm_in_bf16_also_compares_float32_panels(fake_fixtures, capsys):
     assert "ar f32 panels" in out and "bf16 panels over f32 panels" in out and "the same tokens: True" in out
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--rows", "0"], "--rows"),
-    (["--repeats", "0"], "--repeats"),
-    (["--dtype", "fp8"], "--dtype"),
+@pytest.mark.parametrize("subcommand, args, needle", [
+    ("gemm", ["--rows", "0"], "--rows"),
+    ("gemm", ["--repeats", "0"], "--repeats"),
+    ("gemm", ["--dtype", "fp8"], "--dtype"),
+    ("profile", ["--method", "ar"], "--method"),
+    ("profile", ["--method", "hf_generate"], "--method"),
+    ("profile", ["--dtype", "fp8"], "--dtype"),
+    ("profile", ["--num-prompts", "0"], "--num-prompts"),
 ])
-def test_gemm_bad_arguments(fake_fixtures, capsys, args, needle):
+def test_gemm_and_profile_bad_arguments(fake_fixtures, capsys, subcommand, args, needle):
     with pytest.raises(SystemExit) as exc:
-        main(["gemm"] + _model_args(fake_fixtures) + args)
-    assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("args, needle", [
-    (["--method", "ar"], "--method"),
-    (["--method", "hf_generate"], "--method"),
-    (["--dtype", "fp8"], "--dtype"),
-    (["--num-prompts", "0"], "--num-prompts"),
-])
-def test_profile_bad_arguments(fake_fixtures, capsys, args, needle):
-    with pytest.raises(SystemExit) as exc:
-        main(["profile"] + _model_args(fake_fixtures) + args)
+        main([subcommand] + _model_args(fake_fixtures) + args)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
 
