@@ -82,35 +82,45 @@ class PhaseClock:
 
 
 class CallClock:
-    """Counts and times the calls of a drafter's ``draft_forward``, the ``drafting.Drafter`` protocol's forward.
+    """Counts and times the calls of one ``drafting.Drafter`` protocol method of a drafter: ``draft_forward``
+    (its forward, the default) or ``compute_logits`` (its logits).
 
     ``attach(drafter)`` shadows the method with a timed wrapper (an instance attribute); ``detach()``
     removes it. Timing from outside the call keeps a compiled forward (``SpecDecoder(compile=True)``)
     whole: module hooks run inside the compiled call and break its graph, which made a compiled
-    drafter call look slower than an eager one. ``calls`` and ``seconds`` accumulate while attached.
+    drafter call look slower than an eager one. ``calls`` and ``seconds`` accumulate while attached;
+    ``active`` is True while a timed call runs.
 
     ``step_id`` (optional) returns a value that changes once per step (the profile passes the count of
     ``drafting`` phase entries): the first call under each new value is that step's catch-up, counted
     apart in ``catch_up_calls`` and ``catch_up_seconds``. It runs right after the target's verify
     forward, over every token the last step emitted (the whole prompt in a request's first step).
+    ``outer`` (optional): another ``CallClock``; calls made while it is ``active`` (a forward that
+    computes its own logits) are not counted here, so that no time counts twice.
     """
 
-    def __init__(self, device: torch.device | None = None, clock=time.perf_counter, step_id=None):
-        self.device, self.clock, self.step_id = device, clock, step_id
+    def __init__(self, device: torch.device | None = None, clock=time.perf_counter, step_id=None, *,
+                 method: str = "draft_forward", outer: "CallClock | None" = None):
+        self.device, self.clock, self.step_id, self.method, self.outer = device, clock, step_id, method, outer
         self.calls, self.seconds = 0, 0.0
         self.catch_up_calls, self.catch_up_seconds = 0, 0.0
+        self.active = False
         self._drafter = None
         self._last_step = None
 
     def attach(self, drafter) -> "CallClock":
-        inner = drafter.draft_forward
+        inner = getattr(drafter, self.method)
 
         def timed(*args, **kwargs):
+            if self.outer is not None and self.outer.active:
+                return inner(*args, **kwargs)
             step = None if self.step_id is None else self.step_id()
             start = self._now()
+            self.active = True
             try:
                 return inner(*args, **kwargs)
             finally:
+                self.active = False
                 elapsed = self._now() - start
                 self.seconds += elapsed
                 self.calls += 1
@@ -119,13 +129,13 @@ class CallClock:
                     self.catch_up_seconds += elapsed
                     self.catch_up_calls += 1
 
-        drafter.draft_forward = timed
+        setattr(drafter, self.method, timed)
         self._drafter = drafter
         return self
 
     def detach(self) -> None:
         if self._drafter is not None:
-            del self._drafter.draft_forward   # the class's method shows through again
+            delattr(self._drafter, self.method)   # the class's method shows through again
             self._drafter = None
 
     def _now(self) -> float:
@@ -140,15 +150,19 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``prompts``; return the split.
 
     ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored.
-    ``drafter``: the decoder's drafter, whose ``draft_forward`` calls are counted and timed (None: none).
+    ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted and
+    timed (None: none).
     Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
     Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
     ``"unaccounted"``: the step minus its phases), ``step_ar_steps``, ``step_without_drafting_ar_steps``,
     ``drafter_calls_per_step``, ``drafter_call_ms``, ``drafter_call_ar_steps``, and the same call split
     into each step's first call, its catch-up (``catch_up_call_ms``, ``catch_up_call_ar_steps``), and
-    the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); None without a drafter
-    (or, for the split, without such calls).
+    the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); the drafter's logits
+    (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), and
+    the rest of the drafting phase per step, outside both (``drafting_rest_ms``, ``drafting_rest_ar_steps``:
+    sampling or top-k, tree bookkeeping, the draft NaN pass); None without a drafter (or, for the split,
+    without such calls).
     """
     if not hasattr(decoder, "phase_timer"):
         raise TypeError(f"{type(decoder).__name__} has no phase_timer hook; spec-bench profile needs a SpecDecoder "
@@ -161,12 +175,15 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
         dec.generate(prompts[:1], **sampling)
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
+    logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
     previous = decoder.phase_timer
     ar_steps, steps, accepted = [], [], []
     try:
         decoder.phase_timer = phase_clock
         if drafter is not None:
             call_clock.attach(drafter)
+            if hasattr(drafter, "compute_logits"):
+                logits_clock.attach(drafter)
         for p in prompts:
             ar_decoder.generate([p], **sampling)
             ar_steps += ar_decoder.last_stats.step_s
@@ -176,13 +193,15 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     finally:
         decoder.phase_timer = previous
         call_clock.detach()
+        logits_clock.detach()
     if drafter is not None and steps and not call_clock.calls:
         raise RuntimeError("the decoder never called drafter.draft_forward: pass the drafter the decoder runs")
-    return _split(phases, phase_clock.seconds, call_clock, ar_steps, steps, accepted, drafter is not None)
+    return _split(phases, phase_clock.seconds, call_clock, logits_clock, ar_steps, steps, accepted,
+                  drafter is not None)
 
 
-def _split(phases, phase_seconds: dict, calls: CallClock, ar_steps: list, steps: list, accepted: list,
-           has_drafter: bool) -> dict:
+def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_steps: list, steps: list,
+           accepted: list, has_drafter: bool) -> dict:
     n = max(1, len(steps))
     ar = sum(ar_steps) / max(1, len(ar_steps))
     step = sum(steps) / n
@@ -203,7 +222,16 @@ def _split(phases, phase_seconds: dict, calls: CallClock, ar_steps: list, steps:
         **_per_call("drafter_call", calls.seconds, calls.calls, ar),
         **_per_call("catch_up_call", calls.catch_up_seconds, calls.catch_up_calls, ar),
         **_per_call("draft_call", calls.seconds - calls.catch_up_seconds, calls.calls - calls.catch_up_calls, ar),
+        "drafter_logits_calls_per_step": logits.calls / n if has_drafter else None,
+        **_per_call("drafter_logits", logits.seconds, logits.calls, ar),
+        **_drafting_rest(phase_ms.get("drafting", 0.0) - (calls.seconds + logits.seconds) / n * 1e3, ar, has_drafter),
     }
+
+
+def _drafting_rest(ms: float, ar: float, has_drafter: bool) -> dict:
+    """The drafting phase per step outside the drafter's forwards and logits (None without a drafter)."""
+    return {"drafting_rest_ms": ms if has_drafter else None,
+            "drafting_rest_ar_steps": ms / (ar * 1e3) if has_drafter and ar > 0 else None}
 
 
 def _per_call(name: str, seconds: float, calls: int, ar: float) -> dict:
@@ -236,6 +264,13 @@ def format_split(title: str, split: dict) -> str:
         lines.append(f"    the catch-up (a step's first call): {num(split['catch_up_call_ms'])} ms = "
                      f"{num(split['catch_up_call_ar_steps'])} ar steps; each later call: "
                      f"{num(split['draft_call_ms'])} ms = {num(split['draft_call_ar_steps'])} ar steps")
+    if split.get("drafter_logits_ms") is not None:
+        lines.append(f"  its logits (compute_logits): {num(split['drafter_logits_ms'])} ms = "
+                     f"{num(split['drafter_logits_ar_steps'])} ar steps ({split['drafter_logits_calls_per_step']:.2f} "
+                     "per step)")
+    if split.get("drafting_rest_ms") is not None:
+        lines.append(f"  drafting outside the drafter's calls and logits: {num(split['drafting_rest_ms'])} ms = "
+                     f"{num(split['drafting_rest_ar_steps'])} ar steps per step")
     return "\n".join(lines)
 
 

@@ -389,6 +389,7 @@ class _FakeDecoder:
 
     COSTS = {"drafting": 1.0, "verify_forward": 3.0, "verify_walk": 0.5, "bookkeeping": 0.25}
     OUTSIDE = 0.25   # per step, in no phase
+    TAKES_LOGITS = False   # drafting also calls drafter.compute_logits after each drafter call
 
     def __init__(self, clock: _FakeClock, drafter=None, step_cost: float | None = None):
         from contextlib import nullcontext
@@ -408,8 +409,10 @@ class _FakeDecoder:
                     with self.phase_timer(name):
                         self.clock.t += cost
                         if name == "drafting":
-                            self.drafter.draft_forward(torch.zeros(1))
-                            self.drafter.draft_forward(torch.zeros(1))
+                            for _ in range(2):
+                                h, _ = self.drafter.draft_forward(torch.zeros(1))
+                                if self.TAKES_LOGITS:
+                                    self.drafter.compute_logits(h)
                 self.clock.t += self.OUTSIDE
             self.last_stats.step_s.append(self.clock.t - t0)
         return [types.SimpleNamespace(token_ids=[0] * 4, accepted_lengths=[3, 1])]
@@ -454,6 +457,53 @@ def test_profile_splits_each_steps_catch_up_from_its_later_calls():
     assert split["draft_call_ms"] == pytest.approx(250.0)
     assert split["draft_call_ar_steps"] == pytest.approx(0.125)
     assert split["drafter_call_ms"] == pytest.approx(375.0)   # the mean over both kinds
+
+
+class _FakeDrafterWithLogits(_FakeDrafter):
+    """``_FakeDrafter`` whose ``compute_logits`` costs ``logits_cost``; ``nested``: its forward also
+    computes logits (as a forward with ``return_logits=True`` does), which must count as forward time."""
+
+    def __init__(self, clock: _FakeClock, cost: float, logits_cost: float, nested: bool = False):
+        super().__init__(clock, cost)
+        self.logits_cost, self.nested = logits_cost, nested
+
+    def draft_forward(self, x):
+        if self.nested:
+            self.compute_logits(x)
+        return super().draft_forward(x)
+
+    def compute_logits(self, h):
+        self.clock.t += self.logits_cost
+        return h
+
+
+class _FakeDecoderWithLogits(_FakeDecoder):
+    """``_FakeDecoder`` whose drafting also takes the drafter's logits once after each of its two calls."""
+
+    TAKES_LOGITS = True
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_profile_splits_the_drafters_logits_from_its_calls_and_the_rest(nested):
+    """Drafting = drafter calls + their logits + the rest (sampling, bookkeeping); logits that a forward
+    computes inside its own call stay forward time, never counted twice."""
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES
+
+    clock = _FakeClock()
+    drafter = _FakeDrafterWithLogits(clock, 0.25, logits_cost=0.125, nested=nested)
+    dec, ar = _FakeDecoderWithLogits(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
+    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    call = 0.25 + (0.125 if nested else 0.0)   # a nested logits call is part of its forward
+    # per step: drafting 1 (the rest) + 2 calls + 2 logits of 0.125 outside them
+    assert split["drafter_call_ms"] == pytest.approx(call * 1e3)
+    assert split["drafter_logits_calls_per_step"] == pytest.approx(2.0)
+    assert split["drafter_logits_ms"] == pytest.approx(125.0)
+    assert split["drafter_logits_ar_steps"] == pytest.approx(0.0625)
+    assert split["drafting_rest_ms"] == pytest.approx(1000.0)
+    assert split["drafting_rest_ar_steps"] == pytest.approx(0.5)
+    assert split["phase_ms"]["drafting"] == pytest.approx(1000.0 + 2 * (call + 0.125) * 1e3)
+    assert "compute_logits" not in vars(drafter) and "draft_forward" not in vars(drafter)
 
 
 def test_phase_clock_counts_nested_phases_once():
@@ -513,6 +563,8 @@ def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     assert set(PHASES) <= set(split["ar_steps"])
     assert split["drafter_calls_per_step"] >= 1 and split["drafter_call_ar_steps"] > 0
     assert split["catch_up_call_ar_steps"] > 0 and "the catch-up" in out
+    assert split["drafter_logits_calls_per_step"] >= 1 and split["drafter_logits_ar_steps"] > 0
+    assert split["drafting_rest_ms"] is not None and "its logits (compute_logits)" in out
     assert split["ar_steps"]["verify_forward"] > 0 and split["step_ar_steps"] > 0
 
 
