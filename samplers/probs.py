@@ -31,12 +31,15 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     vocab = x.shape[-1]
     temp = params.temperature
     greedy = temp <= 0  # [R]
-    best = x.argmax(-1)  # [R]
+    # one reduction for the row max and its first index (the argmax, NaN included): on CPU an
+    # argmax of its own costs more than the rest of a one-row call's reductions
+    top = x.max(-1, keepdim=True)
+    best = top.indices[..., 0]  # [R]
     masked = x <= -SANITIZE_MAX  # [R, V]
     masked = masked & ~masked.all(-1, keepdim=True)
     # Shift by the row max before dividing: the max maps to exactly 0, everything else
     # to <= 0, so a tiny temperature gives -inf tails instead of inf - inf = NaN.
-    z = (x - x.max(-1, keepdim=True).values) / torch.where(greedy, 1.0, temp).unsqueeze(-1)
+    z = (x - top.values) / torch.where(greedy, 1.0, temp).unsqueeze(-1)
     # A huge temperature maps -1e30 to about -1: re-mask, so masked tokens stay at 0.
     z = z.masked_fill(masked, float("-inf"))
     if params.top_k is not None or params.top_p is not None:

@@ -212,7 +212,7 @@ def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
     ``logits`` are already sanitized float32, so the samplers make no NaN pass of their own.
     """
     B, F, Vd = logits.shape
-    rep = lambda t: None if t is None else t.repeat_interleave(F)
+    rep = lambda t: t if t is None or F == 1 else t.repeat_interleave(F)   # a chain's one row: no op
     q = logits_to_probs(logits.reshape(B * F, Vd), temperature=rep(sampling.temperature),
                         top_k=rep(sampling.top_k), top_p=rep(sampling.top_p), nan_policy="off")
     return q.view(B, F, Vd)

@@ -283,6 +283,22 @@ def test_sample_greedy_rows_are_argmax():
     assert torch.equal(sample(logits, temperature=0.0), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_rows_are_one_hot_on_the_first_argmax(dtype):
+    """Ties, +-Inf and (policy off) NaN: a greedy row is one-hot on torch.argmax's id, the first maximum
+    (or the first NaN), whatever its batch-mates' temperatures."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.round(torch.randn(37, generator=g) * 2) / 2 for _ in range(4)]   # many ties
+    rows[1][[5, 20]] = float("inf")
+    rows[2][[3, 9]] = float("nan")
+    rows[3][:] = -float("inf")
+    logits = torch.stack(rows).to(dtype)
+    probs = logits_to_probs(logits, temperature=torch.tensor([0.0, 0.0, 0.0, 0.0]), nan_policy="off")
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.float().argmax(-1), 37).float())
+    mixed = logits_to_probs(logits[:1].expand(2, -1), temperature=torch.tensor([0.0, 1.0]), nan_policy="off")
+    assert torch.equal(mixed[0], probs[0])
+
+
 def test_tiny_temperature_stays_finite():
     logits = torch.tensor([[1e30, -1e30, 0.0, 1.0]])
     probs = logits_to_probs(logits, temperature=1e-20)
