@@ -25,7 +25,10 @@ pytestmark = pytest.mark.skipif(not (X86_AVX2 and HAS_CC),
                                 reason="the panel kernel needs an x86-64 CPU with AVX2 and a C compiler")
 
 SHAPES = [(1, 1, 1), (1, 192, 5), (2, 3, 16), (3, 7, 17), (5, 192, 320), (6, 33, 40), (7, 65, 31),
-          (13, 19, 100), (4, 512, 48)]
+          (13, 19, 100), (4, 512, 48),
+          # several blocks of rows over many panels, the last block of 2, 1 and 4 rows (3, 4 and 1
+          # panels a call, then single panels): a prefill's shape, and the prefetch's last panel
+          (8, 24, 467), (13, 19, 407), (100, 33, 300)]
 
 
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
