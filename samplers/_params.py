@@ -195,8 +195,9 @@ class SamplingParams:
         None (None: disabled in every row, so the samplers skip the sort).
 
     ``all_greedy`` is True only when every row's temperature is known on the host to be 0
-    (then the samplers skip the [B, V] draw); it stays valid, conservatively, under
-    :meth:`select`.
+    (then the samplers skip the [B, V] draw); ``all_sampled`` only when every row's is known
+    to be > 0 (then ``process_logits`` skips the greedy rows' one-hot). Both stay valid,
+    conservatively, under :meth:`select` and :meth:`repeat`.
     """
 
     temperature: torch.Tensor
@@ -204,6 +205,7 @@ class SamplingParams:
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     all_greedy: bool = False
+    all_sampled: bool = False
 
     @classmethod
     def build(
@@ -232,6 +234,7 @@ class SamplingParams:
             top_p=_parse_param(top_p, "top_p", batch, device)[0],
             min_p=_parse_param(min_p, "min_p", batch, device)[0],
             all_greedy=temp_host is not None and all(t == 0 for t in temp_host),
+            all_sampled=temp_host is not None and all(t > 0 for t in temp_host),
         )
         if check_inputs:
             for name in _SPECS:

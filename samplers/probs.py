@@ -30,16 +30,16 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     vocab = x.shape[-1]
     temp = params.temperature
-    greedy = temp <= 0  # [R]
     # one reduction for the row max and its first index (the argmax, NaN included): on CPU an
     # argmax of its own costs more than the rest of a one-row call's reductions
     top = x.max(-1, keepdim=True)
-    best = top.indices[..., 0]  # [R]
     masked = x <= -SANITIZE_MAX  # [R, V]
     masked = masked & ~masked.all(-1, keepdim=True)
+    # no greedy row (a host fact): no one-hot to build, the same probabilities with five ops fewer
+    greedy = None if params.all_sampled else temp <= 0  # [R]
     # Shift by the row max before dividing: the max maps to exactly 0, everything else
     # to <= 0, so a tiny temperature gives -inf tails instead of inf - inf = NaN.
-    z = (x - top.values) / torch.where(greedy, 1.0, temp).unsqueeze(-1)
+    z = (x - top.values) / (temp if greedy is None else torch.where(greedy, 1.0, temp)).unsqueeze(-1)
     # A huge temperature maps -1e30 to about -1: re-mask, so masked tokens stay at 0.
     z = z.masked_fill(masked, float("-inf"))
     if params.top_k is not None or params.top_p is not None:
@@ -48,7 +48,9 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # p_i >= min_p * p_max  <=>  z_i >= log(min_p), because max z is 0.
         z = z.masked_fill(z < params.min_p.log().unsqueeze(-1), float("-inf"))
     probs = z.softmax(-1)
-    one_hot = torch.nn.functional.one_hot(best, vocab).to(probs.dtype)
+    if greedy is None:
+        return probs
+    one_hot = torch.nn.functional.one_hot(top.indices[..., 0], vocab).to(probs.dtype)
     return torch.where(greedy.unsqueeze(-1), one_hot, probs)
 
 

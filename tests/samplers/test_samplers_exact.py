@@ -299,6 +299,28 @@ def test_greedy_rows_are_one_hot_on_the_first_argmax(dtype):
     assert torch.equal(mixed[0], probs[0])
 
 
+def test_all_sampled_is_a_host_fact_that_keeps_the_bits():
+    """``SamplingParams.all_sampled``: known on the host only for scalars and lists with every
+    temperature > 0; with it ``process_logits`` skips the greedy one-hot and returns the same bits."""
+    from samplers import SamplingParams
+    from samplers.probs import process_logits
+
+    build = SamplingParams.build
+    assert build(3, 0.7).all_sampled and build(2, [1.0, None]).all_sampled   # None means 1.0
+    assert not build(2, [1.0, 0.0]).all_sampled and not build(2, torch.tensor([1.0, 1.0])).all_sampled
+    assert build(4, [0.5, 2.0, 1.0, 3.0]).select([1, 3]).all_sampled and build(2, 1.0).repeat(3).all_sampled
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 50, generator=g) * 4
+    x[0, :10] = -1e30   # masked tokens stay at 0 at every temperature
+    x[1] = -1e30        # a wholly masked row is uniform
+    temps = [1e30, 0.5, 1e-6, 1e6, 2.0, 1.0]   # 1e30 maps the masked -1e30 to about -1
+    for extra in ({}, {"top_k": 7}, {"top_p": 0.6}, {"min_p": 0.1}, {"top_k": 5, "top_p": 0.9}):
+        fast = build(6, temps, device="cpu", **extra)
+        slow = build(6, torch.tensor(temps), device="cpu", **extra)
+        assert fast.all_sampled and not slow.all_sampled
+        assert torch.equal(process_logits(x, fast), process_logits(x, slow)), extra
+
+
 def test_tiny_temperature_stays_finite():
     logits = torch.tensor([[1e30, -1e30, 0.0, 1.0]])
     probs = logits_to_probs(logits, temperature=1e-20)
