@@ -237,9 +237,13 @@ class SamplingParams:
             all_sampled=temp_host is not None and all(t > 0 for t in temp_host),
         )
         if check_inputs:
-            for name in _SPECS:
-                check_row_param_values(getattr(params, name), name)
+            params.check_values()
         return params
+
+    def check_values(self) -> None:
+        """Range-check every parameter tensor, naming the parameter and rows. One host sync."""
+        for name in _SPECS:
+            check_row_param_values(getattr(self, name), name)
 
     @property
     def batch(self) -> int:

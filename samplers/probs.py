@@ -132,6 +132,7 @@ def sample(
     nan_policy: NanPolicy | str | None = None,
     check_inputs: bool = False,
     return_nonfinite: bool = False,
+    params: SamplingParams | None = None,
 ):
     """Sample one token per row from the processed distribution, without a host sync.
 
@@ -139,6 +140,9 @@ def sample(
         logits: [B, V]; parameters as in :func:`logits_to_probs`.
         generator: None, a ``torch.Generator``, or a sequence of B generators (row b
             draws V uniforms from ``generator[b]`` only).
+        params: ``SamplingParams`` of B rows built once (``SamplingParams.build``), instead of
+            ``temperature``/``top_k``/``top_p``/``min_p`` (leave those at their defaults). It keeps
+            its host facts (``all_greedy``, ``all_sampled``), which tensors passed again lose.
         returns: ids [B] int64 in [0, V); with ``return_nonfinite`` the
             :class:`SamplerOutput` ``(ids, nonfinite_rows [B] bool)`` with the attribute
             ``dead_rows`` [B] bool.
@@ -164,8 +168,7 @@ def sample(
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
     check_generator(generator, logits.device, batch)
-    params = SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=logits.device,
-                                  check_inputs=check_inputs)
+    params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
@@ -174,3 +177,20 @@ def sample(
     if not return_nonfinite:
         return ids
     return SamplerOutput(("ids", "nonfinite_rows"), ids=ids, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
+
+
+def _params(params: SamplingParams | None, batch: int, device, temperature, top_k, top_p, min_p,
+            check_inputs: bool) -> SamplingParams:
+    """``params`` when given (checked against the batch and device), else the parsed arguments."""
+    if params is None:
+        return SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=device, check_inputs=check_inputs)
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if temperature != 1.0 or top_k is not None or top_p is not None or min_p is not None:
+        raise ValueError("pass either params or temperature/top_k/top_p/min_p, not both")
+    if params.batch != batch or params.temperature.device != torch.device(device):
+        raise ValueError(f"params has {params.batch} rows on {params.temperature.device}; the logits "
+                         f"{batch} rows on {device}")
+    if check_inputs:
+        params.check_values()
+    return params

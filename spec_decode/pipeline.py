@@ -338,7 +338,7 @@ class SpecDecoder:
                        [0] * B, [0] * B, generators, all_sampled=req.all_sampled)
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        token = sample(logits, generator=batch.generators, nan_policy="off", **sampling.kwargs())
+        token = sample(logits, generator=batch.generators, nan_policy="off", params=sampling)
         host = self._to_host(token[:, None], torch.ones_like(token), counts, None)
         if self.drafter is not None:
             batch.draft_cache = self.drafter.new_cache(B, max_len)
@@ -365,7 +365,7 @@ class SpecDecoder:
             logits = out.logits[:, 0]
             plan.apply(logits, step, "target_logits", batch.active)
             counts = self._nan_pass(logits, 1)
-            token = sample(logits, generator=batch.generators, nan_policy="off", **batch.sampling.kwargs())
+            token = sample(logits, generator=batch.generators, nan_policy="off", params=batch.sampling)
             ones = torch.ones_like(token)
             host = self._to_host(token[:, None], ones, counts, None)
         with self.phase_timer("bookkeeping"):

@@ -321,6 +321,26 @@ def test_all_sampled_is_a_host_fact_that_keeps_the_bits():
         assert torch.equal(process_logits(x, fast), process_logits(x, slow)), extra
 
 
+def test_sample_takes_prebuilt_params_with_the_same_draws():
+    """``sample(params=...)`` draws what the same parameters passed one by one draw, and refuses
+    a mix of both, the wrong row count or a non-SamplingParams, naming the argument."""
+    from samplers import SamplingParams
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    for temps in ([1.0, 0.7, 2.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.5]):
+        params = SamplingParams.build(3, temps, top_k=9)
+        gens = lambda: [torch.Generator().manual_seed(s) for s in (4, 5, 6)]   # noqa: E731
+        want = sample(logits, temperature=temps, top_k=9, generator=gens())
+        assert torch.equal(sample(logits, params=params, generator=gens()), want), temps
+    params = SamplingParams.build(3, 1.0)
+    with pytest.raises(ValueError, match="either params or"):
+        sample(logits, params=params, top_k=5)
+    with pytest.raises(ValueError, match="params has 2 rows"):
+        sample(logits, params=SamplingParams.build(2, 1.0))
+    with pytest.raises(ValueError, match="params must be a SamplingParams"):
+        sample(logits, params={"temperature": 1.0})
+
+
 def test_tiny_temperature_stays_finite():
     logits = torch.tensor([[1e30, -1e30, 0.0, 1.0]])
     probs = logits_to_probs(logits, temperature=1e-20)
