@@ -89,6 +89,7 @@ def logits_to_probs(
     nan_policy: NanPolicy | str | None = None,
     check_inputs: bool = False,
     return_nonfinite: bool = False,
+    params: SamplingParams | None = None,
 ):
     """Turn logits into float32 probabilities under temperature, top-k, top-p and min-p.
 
@@ -96,6 +97,8 @@ def logits_to_probs(
         logits: [B, V], float16/bfloat16/float32/float64.
         temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int,
             list of B, or int tensor [B] (see :class:`SamplingParams`).
+        params: a built ``SamplingParams`` of B rows instead of those four, as in :func:`sample`
+            (its host facts kept: ``all_sampled`` skips the greedy one-hot).
         returns: probs [B, V] float32; with ``return_nonfinite`` the
             :class:`SamplerOutput` ``(probs, nonfinite_rows [B] bool)`` whose attribute
             ``dead_rows`` [B] bool marks rows with no finite value.
@@ -112,8 +115,7 @@ def logits_to_probs(
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
-    params = SamplingParams.build(batch, temperature, top_k, top_p, min_p, device=logits.device,
-                                  check_inputs=check_inputs)
+    params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy)
     probs = process_logits(prep.work, params)
     if not return_nonfinite:

@@ -40,8 +40,7 @@ import torch
 from torch import Tensor
 
 from numerics import sanitize_nan_logits
-from samplers import SamplingParams, sample_without_replacement
-from samplers.probs import process_logits
+from samplers import SamplingParams, logits_to_probs, sample_without_replacement
 from samplers.tree import ancestor_mask  # noqa: F401  (part of this module's API)
 
 NO_PARENT = -1
@@ -210,15 +209,15 @@ def check_score_temperature(value, name: str = "score_temperature") -> float:
 def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
     """q: the drafter's distribution at each row's temperature/top-k/top-p. [B, F, Vd] -> [B, F, Vd].
 
-    ``logits`` are already sanitized float32 and the parameters were checked with the batch's, so
-    ``process_logits`` runs on them directly; with every row sampling (temperatures > 0) it skips
-    the one-hot of greedy rows.
+    ``logits`` are already sanitized float32, so the samplers make no NaN pass of their own; the
+    parameters were checked with the batch's and go in whole, so that with every row sampling
+    (temperatures > 0) no one-hot of greedy rows is built.
     """
     B, F, Vd = logits.shape
     rep = lambda t: t if t is None or F == 1 else t.repeat_interleave(F)   # a chain's one row: no op
     params = SamplingParams(temperature=rep(sampling.temperature), top_k=rep(sampling.top_k),
                             top_p=rep(sampling.top_p), all_sampled=sampling.all_sampled)
-    return process_logits(logits.reshape(B * F, Vd), params).view(B, F, Vd)
+    return logits_to_probs(logits.reshape(B * F, Vd), nan_policy="off", params=params).view(B, F, Vd)
 
 
 class _Expansion:

@@ -43,8 +43,7 @@ import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
 from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_tree_verify,
-                      greedy_verify, sample, tree_verify)
-from samplers.probs import process_logits
+                      greedy_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.drafting import DraftSampling, Drafter, check_score_temperature, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.model import KVCache, Transformer
@@ -449,9 +448,8 @@ class SpecDecoder:
                               max_depth=tree.max_depth, max_children=tree.max_children, draft_probs=tree.draft_probs,
                               sibling_sampling="without_replacement", **s.kwargs())
             return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
-        # what logits_to_probs(nan_policy="off") runs, on the parameters checked at the start: they
-        # keep their host facts this way (every row sampled: no one-hot to build)
-        probs = process_logits(logits.reshape(B * N, V).float(), s.repeat(N)).view(B, N, V)
+        # the batch's parameters whole: they keep their host facts (every row sampled: no one-hot to build)
+        probs = logits_to_probs(logits.reshape(B * N, V), nan_policy="off", params=s.repeat(N)).view(B, N, V)
         drafts = tree.tokens[:, 1:]
         q = tree.draft_probs
         if q is not None:

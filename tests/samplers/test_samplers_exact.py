@@ -322,7 +322,8 @@ def test_all_sampled_is_a_host_fact_that_keeps_the_bits():
 
 
 def test_sample_takes_prebuilt_params_with_the_same_draws():
-    """``sample(params=...)`` draws what the same parameters passed one by one draw, and refuses
+    """``sample(params=...)`` draws what the same parameters passed one by one draw (and
+    ``logits_to_probs(params=...)`` gives the same probabilities), and refuses
     a mix of both, the wrong row count or a non-SamplingParams, naming the argument."""
     from samplers import SamplingParams
 
@@ -332,7 +333,10 @@ def test_sample_takes_prebuilt_params_with_the_same_draws():
         gens = lambda: [torch.Generator().manual_seed(s) for s in (4, 5, 6)]   # noqa: E731
         want = sample(logits, temperature=temps, top_k=9, generator=gens())
         assert torch.equal(sample(logits, params=params, generator=gens()), want), temps
+        assert torch.equal(logits_to_probs(logits, params=params), logits_to_probs(logits, temperature=temps, top_k=9))
     params = SamplingParams.build(3, 1.0)
+    with pytest.raises(ValueError, match="either params or"):
+        logits_to_probs(logits, params=params, temperature=0.5)
     with pytest.raises(ValueError, match="either params or"):
         sample(logits, params=params, top_k=5)
     with pytest.raises(ValueError, match="params has 2 rows"):
