@@ -77,6 +77,11 @@ class Drafter(Protocol):
     def new_cache(self, batch_size: int, max_len: int):
         """An empty ``KVCache`` for this drafter."""
 
+    # Optional, outside the protocol's checked members: ``prepare_chain(cache, num_calls, kv_len)``,
+    # the inputs of a chain's successive one-token calls built at once (``model.chain_block_inputs``),
+    # each passed back as ``draft_forward(token, features, cache, block=...)``. Drafting uses it when
+    # present; without it, every call builds its own positions and mask.
+
 
 @dataclass
 class DraftTree:
@@ -369,6 +374,12 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     B, N, device = root.shape[0], num_steps + 1, root.device
     chain, qs = [root[:, None]], []
     logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
+    # A chain node sees every spec row before it: each call is a plain causal one-token forward
+    # written depth - 1 rows after the committed ones. A drafter with ``prepare_chain`` builds those
+    # calls' positions and masks at once; otherwise the spec rows count as committed for the moment
+    # (the lengths go back below) and each call builds its own.
+    prepare = getattr(drafter, "prepare_chain", None)
+    blocks = prepare(cache, num_steps - 1, kv_len) if prepare is not None and num_steps > 1 else None
     advanced = 0
     try:
         for depth in range(1, N):
@@ -377,13 +388,13 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
             qs.append(exp.q)
             if depth == num_steps:
                 break
-            # A chain node sees every spec row before it: with those rows counted as committed for
-            # the moment, each call is a plain causal one-token forward (the cheap mask, default
-            # positions: depth-1 after the real committed rows), and the lengths go back below.
-            hidden, feature = drafter.draft_forward(chain[-1], feature, cache,
-                                                    kv_len=None if kv_len is None else kv_len + depth)
-            cache.lengths += 1
-            advanced += 1
+            if blocks is not None:
+                hidden, feature = drafter.draft_forward(chain[-1], feature, cache, block=blocks[depth - 1])
+            else:
+                hidden, feature = drafter.draft_forward(chain[-1], feature, cache,
+                                                        kv_len=None if kv_len is None else kv_len + depth)
+                cache.lengths += 1
+                advanced += 1
             logits = drafter.compute_logits(hidden)
     finally:
         cache.lengths -= advanced   # nothing speculative stays committed: the next catch-up overwrites it
