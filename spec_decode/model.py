@@ -942,6 +942,9 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     """
     if num_calls < 1:
         raise ValueError(f"num_calls must be >= 1, got {num_calls}")
+    if kv_len is not None and not 0 <= kv_len <= cache.max_len - num_calls:
+        raise ValueError(f"a chain of {num_calls} calls after kv_len={kv_len} rows does not fit the cache "
+                         f"(max_len {cache.max_len})")
     lengths = cache.lengths
     B, C = lengths.shape[0], num_calls
     write_pos = lengths[:, None] + _positions(C, lengths.device)  # (B, C)
@@ -949,7 +952,7 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     try:
         cos_sin = F.embedding(write_pos, table)  # (B, C, 2D)
     except IndexError:
-        raise ValueError(f"a chain of {C} calls after {int(lengths.max())} rows does not fit the cache "
+        raise ValueError(f"position_ids of a chain of {C} calls must lie in [0, {table.shape[0]}) for this cache "
                          f"(max_len {cache.max_len})") from None
     D = table.shape[1] // 2
     cos_sin = cos_sin.view(B, C, 1, 2 * D)

@@ -176,6 +176,7 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
+    prepare_clock = CallClock(device, clock, method="prepare_chain")
     previous = decoder.phase_timer
     ar_steps, steps, accepted = [], [], []
     try:
@@ -184,6 +185,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
             call_clock.attach(drafter)
             if hasattr(drafter, "compute_logits"):
                 logits_clock.attach(drafter)
+            if hasattr(drafter, "prepare_chain"):
+                prepare_clock.attach(drafter)
         for p in prompts:
             ar_decoder.generate([p], **sampling)
             ar_steps += ar_decoder.last_stats.step_s
@@ -194,14 +197,17 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
         decoder.phase_timer = previous
         call_clock.detach()
         logits_clock.detach()
+        prepare_clock.detach()
     if drafter is not None and steps and not call_clock.calls:
         raise RuntimeError("the decoder never called drafter.draft_forward: pass the drafter the decoder runs")
     return _split(phases, phase_clock.seconds, call_clock, logits_clock, ar_steps, steps, accepted,
-                  drafter is not None)
+                  drafter is not None, prepare_clock)
 
 
 def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_steps: list, steps: list,
-           accepted: list, has_drafter: bool) -> dict:
+           accepted: list, has_drafter: bool, prepare: CallClock | None = None) -> dict:
+    # a chain's inputs built at once (``prepare_chain``) are the later calls' work: counted in them
+    prep = 0.0 if prepare is None else prepare.seconds
     n = max(1, len(steps))
     ar = sum(ar_steps) / max(1, len(ar_steps))
     step = sum(steps) / n
@@ -219,12 +225,15 @@ def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_
         "step_ar_steps": step / ar if ar > 0 else None,
         "step_without_drafting_ar_steps": (step * 1e3 - phase_ms.get("drafting", 0.0)) / (ar * 1e3) if ar > 0 else None,
         "drafter_calls_per_step": calls.calls / n if has_drafter else None,
-        **_per_call("drafter_call", calls.seconds, calls.calls, ar),
+        **_per_call("drafter_call", calls.seconds + prep, calls.calls, ar),
         **_per_call("catch_up_call", calls.catch_up_seconds, calls.catch_up_calls, ar),
-        **_per_call("draft_call", calls.seconds - calls.catch_up_seconds, calls.calls - calls.catch_up_calls, ar),
+        **_per_call("draft_call", calls.seconds - calls.catch_up_seconds + prep, calls.calls - calls.catch_up_calls,
+                    ar),
+        "drafter_prepare_ms": prep / n * 1e3 if has_drafter else None,
         "drafter_logits_calls_per_step": logits.calls / n if has_drafter else None,
         **_per_call("drafter_logits", logits.seconds, logits.calls, ar),
-        **_drafting_rest(phase_ms.get("drafting", 0.0) - (calls.seconds + logits.seconds) / n * 1e3, ar, has_drafter),
+        **_drafting_rest(phase_ms.get("drafting", 0.0) - (calls.seconds + logits.seconds + prep) / n * 1e3, ar,
+                         has_drafter),
     }
 
 
@@ -264,6 +273,9 @@ def format_split(title: str, split: dict) -> str:
         lines.append(f"    the catch-up (a step's first call): {num(split['catch_up_call_ms'])} ms = "
                      f"{num(split['catch_up_call_ar_steps'])} ar steps; each later call: "
                      f"{num(split['draft_call_ms'])} ms = {num(split['draft_call_ar_steps'])} ar steps")
+    if split.get("drafter_prepare_ms"):
+        lines.append(f"    the later calls include their inputs built at once per step (prepare_chain): "
+                     f"{num(split['drafter_prepare_ms'])} ms per step")
     if split.get("drafter_logits_ms") is not None:
         lines.append(f"  its logits (compute_logits): {num(split['drafter_logits_ms'])} ms = "
                      f"{num(split['drafter_logits_ar_steps'])} ar steps ({split['drafter_logits_calls_per_step']:.2f} "
