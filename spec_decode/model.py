@@ -955,7 +955,6 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
         raise ValueError(f"position_ids of a chain of {C} calls must lie in [0, {table.shape[0]}) for this cache "
                          f"(max_len {cache.max_len})") from None
     D = table.shape[1] // 2
-    cos_sin = cos_sin.view(B, C, 1, 2 * D)
     c = module.config
     n_rep = c.num_attention_heads // c.num_key_value_heads
     full = cache.max_len if kv_len is None else kv_len + C
@@ -963,14 +962,16 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     mask = (_positions(full, lengths.device) <= write_pos.T[:, :, None])[:, :, None, None].expand(C, B, 1, n_rep, full)
     values = _bias_values.__wrapped__ if torch.compiler.is_compiling() else _bias_values
     bias = torch.where(mask, *values(dtype, mask.device))
-    out = []
-    for d in range(C):
-        S = full if kv_len is None else kv_len + d + 1
-        pos = write_pos[:, d:d + 1]
-        cs = cos_sin[:, d:d + 1]
-        out.append(LayerInputs(cs[..., :D], cs[..., D:], pos, cache.row_index(pos), mask[d, ..., :S],
-                               bias[d, ..., :S]))
-    return out
+    # one unbind per input, not a slice per call and input: each op costs a few us on CPU
+    cs = cos_sin.view(B, C, 1, 1, 2 * D)
+    cos, sin = cs[..., :D].unbind(1), cs[..., D:].unbind(1)                       # C x (B, 1, 1, D)
+    pos = write_pos.view(B, C, 1).unbind(1)                                       # C x (B, 1)
+    rows = write_pos.view(B, 1, C, 1, 1).expand(B, cache.k.shape[2], C, 1, cache.k.shape[4]).unbind(2)
+    masks, biases = mask.unbind(0), bias.unbind(0)                                # C x (B, 1, n_rep, full)
+    if kv_len is None:
+        return [LayerInputs(*a) for a in zip(cos, sin, pos, rows, masks, biases)]
+    return [LayerInputs(cos[d], sin[d], pos[d], rows[d], masks[d][..., :kv_len + d + 1],
+                        biases[d][..., :kv_len + d + 1]) for d in range(C)]
 
 
 def block_inputs(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: torch.dtype,
