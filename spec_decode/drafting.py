@@ -401,10 +401,18 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     draft_probs = None
     if sampling is not None:   # q at node i drew node i + 1; the last node has no children
         draft_probs = drafter.to_target_probs(torch.cat(qs + [torch.zeros_like(qs[0])], 1))
-    nodes = torch.arange(N, device=device)
-    return DraftTree(torch.cat(chain, 1), (nodes - 1).expand(B, N), nodes.expand(B, N),
-                     torch.ones(N, N, dtype=torch.bool, device=device).tril().expand(B, N, N),
-                     max_depth=num_steps, draft_probs=draft_probs, max_children=1, chain=True)
+    parents, depth, tree_mask = _chain_layout(B, N, device)
+    return DraftTree(torch.cat(chain, 1), parents, depth, tree_mask, max_depth=num_steps, draft_probs=draft_probs,
+                     max_children=1, chain=True)
+
+
+@functools.lru_cache(maxsize=16)
+def _chain_layout(batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """parents [B, N], depth [B, N] and the causal tree mask [B, N, N] of a chain of ``n`` nodes (cached:
+    the same few shapes every step, ~10 us an op on CPU). Expanded views, never written to."""
+    nodes = torch.arange(n, device=device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return (nodes - 1).expand(batch, n), nodes.expand(batch, n), mask.expand(batch, n, n)
 
 
 def _pick_frontier(score: Tensor, kept: Tensor | None, sampling: DraftSampling | None, k: int) -> Tensor:

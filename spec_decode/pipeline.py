@@ -408,17 +408,32 @@ class SpecDecoder:
         with self.phase_timer("bookkeeping"):
             num_host = [h.num for h in host]
             batch.target_len = [n + m for n, m in zip(batch.target_len, num_host)]
-            path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]), res.accepted_node_ids.clamp(min=0)], 1)
             num = res.num_emitted.long()
-            # a chain's accepted rows already sit where they were written: no move
-            tcache.commit(num, None if tree.chain else path)
             feats = self.drafter.features(out)
+            if tree.chain and min(num_host) == max(num_host):
+                # every row emitted the same n tokens, its first n rows, which already sit where they
+                # were written: slices instead of the path's gathers (a batch of one always takes this)
+                n = num_host[0]
+                tcache.commit(num)
+                feats = None if feats is None else feats[:, :n]
+                out_tokens = res.output_token_ids[:, :n].long()
+                root = out_tokens[:, n - 1]
+            else:
+                path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]),
+                                  res.accepted_node_ids.clamp(min=0)], 1)
+                # a chain's accepted rows already sit where they were written: no move
+                tcache.commit(num, None if tree.chain else path)
+                if feats is not None:
+                    # rows past a request's path repeat its root's: a padded catch-up never feeds a
+                    # rejected row (whose features may be NaN) to the drafter
+                    feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
+                out_tokens = res.output_token_ids.long()
+                root = out_tokens.gather(1, (num - 1)[:, None])[:, 0]
+                out_tokens = out_tokens.clamp(min=0)
             if feats is not None:
-                feats = feats.gather(1, path[:, :, None].expand(-1, -1, feats.shape[-1]))
                 plan.apply(feats, step, "target_hidden", batch.active)
-            out_tokens = res.output_token_ids.long()
-            batch.append_catch(out_tokens.clamp(min=0), feats, num, num_host)
-            batch.root = out_tokens.gather(1, (num - 1)[:, None])[:, 0]
+            batch.append_catch(out_tokens, feats, num, num_host)
+            batch.root = root
             return self._finish_step(batch, req, host, step)
 
     def _verify(self, tree, logits, batch) -> "_Verified":
@@ -487,14 +502,16 @@ class SpecDecoder:
         padded = min(batch.catch_len) < C
         hidden, feedback = self.drafter.draft_forward(tokens, features, cache, input_lens=lens if padded else None,
                                                       kv_len=max(batch.draft_len) + C)
-        last = (lens - 1)[:, None, None]                                          # [B, 1, 1]
-        first_logits = self.drafter.compute_logits(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1])))[:, 0]
+        if padded:
+            last = (lens - 1)[:, None, None]                                      # [B, 1, 1]
+            at_last = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
+        else:   # every queue ends at column C - 1: a view, no gather
+            at_last = lambda t: t[:, C - 1]
+        first_logits = self.drafter.compute_logits(at_last(hidden))
         cache.commit(lens)
         batch.draft_len = [a + b for a, b in zip(batch.draft_len, batch.catch_len)]
         batch.catch_len = [0] * len(batch.catch_len)
-        first_hidden = None
-        if feedback is not None:
-            first_hidden = feedback.gather(1, last.expand(-1, 1, feedback.shape[-1]))[:, 0]
+        first_hidden = None if feedback is None else at_last(feedback)
         return first_logits, first_hidden
 
     # ------------------------------------------------------------------ numerics
