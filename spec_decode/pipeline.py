@@ -419,8 +419,8 @@ class SpecDecoder:
                 out_tokens = res.output_token_ids[:, :n].long()
                 root = out_tokens[:, n - 1]
             else:
-                path = torch.cat([torch.zeros_like(res.accepted_node_ids[:, :1]),
-                                  res.accepted_node_ids.clamp(min=0)], 1)
+                accepted = res.accepted_path()
+                path = torch.cat([torch.zeros_like(accepted[:, :1]), accepted.clamp(min=0)], 1)
                 # a chain's accepted rows already sit where they were written: no move
                 tcache.commit(num, None if tree.chain else path)
                 if feats is not None:
@@ -449,11 +449,9 @@ class SpecDecoder:
         """
         s = batch.sampling
         B, N, V = logits.shape
-        nodes = torch.arange(1, N, device=logits.device)
-        chain_path = lambda num_emitted: torch.where(nodes < num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
         if self.topk == 1 and s.all_greedy:   # the tree is a chain: no walk needed
             out = greedy_verify(tree.tokens[:, 1:], logits, nan_policy="off")
-            return _Verified(out.output_token_ids, out.num_emitted, chain_path(out.num_emitted))
+            return _Verified(out.output_token_ids, out.num_emitted)
         if s.all_greedy:   # the drafter's verify mask is the trees' ancestor relation: nothing to rebuild
             res = greedy_tree_verify(tree.tokens, tree.parents, logits, ancestor_mask=tree.tree_mask,
                                      max_depth=tree.max_depth, nan_policy="off")
@@ -474,7 +472,7 @@ class SpecDecoder:
                 q = torch.where((s.temperature > 0)[:, None, None], q, one_hot)
         out = chain_speculative_sampling(q, drafts, probs, generator=batch.generators, nan_policy="off",
                                          backend="torch")
-        return _Verified(out.output_token_ids, out.num_emitted, chain_path(out.num_emitted))
+        return _Verified(out.output_token_ids, out.num_emitted)
 
     def _draft_sampling(self, batch) -> DraftSampling | None:
         """Which rows sample their drafts (None: every row drafts greedily)."""
@@ -627,11 +625,19 @@ class SpecDecoder:
 @dataclass
 class _Verified:
     """What a step's verification emits. Shape: output_token_ids [B, D+1] (then -1), num_emitted [B],
-    accepted_node_ids [B, D] (tree nodes along the accepted path, then -1)."""
+    accepted_node_ids [B, D] (tree nodes along the accepted path, then -1), or None for a chain's, which
+    ``accepted_path`` builds when a step needs them (most chain steps do not)."""
 
     output_token_ids: torch.Tensor
     num_emitted: torch.Tensor
-    accepted_node_ids: torch.Tensor
+    accepted_node_ids: torch.Tensor | None = None
+
+    def accepted_path(self) -> torch.Tensor:
+        """``accepted_node_ids``; a chain's accepted nodes are 1 .. num_emitted - 1 (then -1). Shape: [B, D]."""
+        if self.accepted_node_ids is None:
+            nodes = torch.arange(1, self.output_token_ids.shape[1], device=self.num_emitted.device)
+            self.accepted_node_ids = torch.where(nodes < self.num_emitted[:, None], nodes, PLACEHOLDER_TOKEN_ID)
+        return self.accepted_node_ids
 
 
 @dataclass
