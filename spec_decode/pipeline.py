@@ -80,7 +80,8 @@ class GenerationResult:
     ``token_ids`` are the new tokens only. ``accepted_lengths[s]`` is the number of tokens decode
     step ``s + 1`` emitted (accepted drafts plus the target's own token; 1 per step for
     ``method="none"``); the prefill's first token is not counted there. Tokens cut by a stop id or
-    ``max_new_tokens`` still count, since the step accepted them.
+    ``max_new_tokens`` still count, since the step accepted them. The last steps of a greedy batch
+    draft no deeper than its requests can still emit, so they count at most the tokens that were left.
     ``finish_reason`` is ``"stop"``, ``"length"`` or ``"nan_abort"``.
     """
 
@@ -183,6 +184,12 @@ class SpecDecoder:
 
     ``num_steps="auto"``: the decoder picks the depth per step (0, a plain target step, up to
     ``num_draft_tokens - 1``, capped at 8) from what it has measured: see ``DepthController``.
+    Either way (``trim_last_steps``, True by default) a step of greedy requests never drafts deeper
+    than the batch can still use: with at most ``r`` tokens left to any of its requests
+    (``max_new_tokens``), it drafts at most ``r - 1`` (a plain step for ``r = 1``), and such a step
+    is not reported to the controller. Batches with sampled requests keep their depth, so that a
+    request's draws, and its tokens, do not depend on the batch it runs in. ``spec-bench profile``
+    turns it off, so that every step it splits has the configured shape.
 
     ``draft_sampling``: ``"auto"`` (default) draws the drafts of requests with temperature > 0
     from the drafter's distribution at that temperature (verified exactly by recursive rejection
@@ -230,6 +237,7 @@ class SpecDecoder:
         self.last_stats = StepStats()
         self._offsets: dict[tuple, torch.Tensor] = {}   # _row_offsets' cache
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
+        self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
@@ -296,6 +304,14 @@ class SpecDecoder:
             t0 = time.perf_counter()
             regime = _regime(batch.sampling)
             depth = 0 if self.method == "none" else self._pick_depth(regime)
+            capped = False
+            if self.trim_last_steps and batch.sampling.all_greedy:
+                # never draft past what any request can still emit (a step emits its accepted drafts
+                # + 1). Greedy tokens do not depend on the depth; sampled ones would, through the
+                # draws, so sampled batches keep it: a request samples the same tokens in any batch.
+                useful = max(req.max_new[i] - len(req.results[i].token_ids) for i in batch.active) - 1
+                capped = depth > useful
+                depth = min(depth, useful)
             # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
             # makes this step's time unrepresentative of its depth
             steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
@@ -303,7 +319,8 @@ class SpecDecoder:
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)
-            if self.depth_controller is not None and req.last_emitted is not None:
+            # a capped step ran another depth than the controller chose, at a request's end: not recorded
+            if self.depth_controller is not None and req.last_emitted is not None and not capped:
                 self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results

@@ -149,7 +149,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
                   device: torch.device | None = None, clock=time.perf_counter) -> dict:
     """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``prompts``; return the split.
 
-    ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored.
+    ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
+    and so is ``trim_last_steps``, off while it runs (every step then drafts the configured depth).
     ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted and
     timed (None: none).
     Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
@@ -171,15 +172,19 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
         raise ValueError("prompts must not be empty")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
                     seed=seed if temperature > 0 else None)
-    for dec in (ar_decoder, decoder):   # warm-up
-        dec.generate(prompts[:1], **sampling)
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
     prepare_clock = CallClock(device, clock, method="prepare_chain")
     previous = decoder.phase_timer
+    # every step at the configured shape, warm-up included: no last step trimmed to the tokens left
+    trims = getattr(decoder, "trim_last_steps", None)
     ar_steps, steps, accepted = [], [], []
     try:
+        if trims is not None:
+            decoder.trim_last_steps = False
+        for dec in (ar_decoder, decoder):   # warm-up
+            dec.generate(prompts[:1], **sampling)
         decoder.phase_timer = phase_clock
         if drafter is not None:
             call_clock.attach(drafter)
@@ -195,6 +200,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
             accepted += [n for r in results for n in r.accepted_lengths]
     finally:
         decoder.phase_timer = previous
+        if trims is not None:
+            decoder.trim_last_steps = trims
         call_clock.detach()
         logits_clock.detach()
         prepare_clock.detach()

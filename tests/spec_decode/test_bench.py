@@ -588,6 +588,31 @@ def test_the_cprofile_pass_runs_at_the_splits_temperature():
     assert greedy.calls == [dict(max_new_tokens=4, temperature=0.0, seed=None)]
 
 
+def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
+    """Every profiled step has the configured depth (no last step trimmed to the tokens left)."""
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES, SpecDecoder
+
+    m = fake_fixtures / "models"
+    dec = SpecDecoder.from_pretrained(m / "tiny-target", m / "tiny-eagle", dtype=torch.float32, num_steps=3,
+                                      topk=1, num_draft_tokens=4)
+    ar = SpecDecoder.from_pretrained(m / "tiny-target", dtype=torch.float32, method="none")
+    depths = []
+    real_generate = dec.generate
+
+    def generate(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        depths.extend(dec.last_stats.depths)
+        return out
+
+    dec.generate = generate
+    split = profile_split(dec, ar, dec.drafter, [[1, 2, 3]], 5, phases=PHASES)
+    assert set(depths) == {3} and split["drafter_calls_per_step"] == pytest.approx(3.0)
+    assert dec.trim_last_steps is True
+    dec.generate([[1, 2, 3]], max_new_tokens=5)
+    assert dec.last_stats.depths[-1] < 3   # trimmed again outside the profile
+
+
 def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     from spec_decode.pipeline import PHASES
 

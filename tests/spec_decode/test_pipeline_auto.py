@@ -34,9 +34,11 @@ class Scripted:
 
     def __init__(self, depths):
         self.depths = itertools.cycle(depths)
+        self.chosen = []
 
     def choose(self, regime):
-        return next(self.depths)
+        self.chosen.append(next(self.depths))
+        return self.chosen[-1]
 
     def record(self, *args):
         pass
@@ -51,7 +53,46 @@ def test_any_depth_sequence_is_lossless(models, ar, method, depths):
     dec.depth_controller = Scripted(depths)
     out = dec.generate(PROMPTS, max_new_tokens=24)
     assert [r.token_ids for r in out] == ar
-    assert set(dec.last_stats.depths) == set(depths)
+    ran, chosen = dec.last_stats.depths, dec.depth_controller.chosen
+    assert set(depths) <= set(ran)
+    # a step runs the chosen depth, or less where the batch cannot use it (its last steps)
+    assert len(ran) == len(chosen) and all(r <= c for r, c in zip(ran, chosen))
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_the_last_steps_draft_no_deeper_than_the_tokens_left(models, max_new, method):
+    """With r tokens left a step drafts at most r - 1 (r = 1: a plain step); the output is AR's."""
+    dec = SpecDecoder(models["target"], models[method], method=method, num_steps=4, topk=1, num_draft_tokens=5)
+    plain = SpecDecoder(models["target"], None, method="none")
+    out = dec.generate([PROMPTS[0]], max_new_tokens=max_new)[0]
+    assert out.token_ids == plain.generate([PROMPTS[0]], max_new_tokens=max_new)[0].token_ids
+    left = max_new - 1   # the prefill emits the first token
+    assert len(dec.last_stats.depths) == len(out.accepted_lengths)
+    for depth, emitted in zip(dec.last_stats.depths, out.accepted_lengths):
+        assert depth == min(4, left - 1)
+        assert emitted <= left
+        left -= emitted
+    assert left == 0
+
+
+def test_sampled_requests_keep_their_depth_to_the_end(models):
+    """The cap would change a sampled request's draws with its batch: sampled batches keep the depth."""
+    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps=4, topk=1, num_draft_tokens=5)
+    dec.generate([PROMPTS[0]], max_new_tokens=7, temperature=1.0, seed=3)
+    assert set(dec.last_stats.depths) == {4}
+    dec.generate(PROMPTS[:2], max_new_tokens=7, temperature=[0.0, 1.0], seed=3)
+    assert set(dec.last_stats.depths) == {4}
+
+
+def test_a_capped_step_is_not_reported_to_the_controller(models):
+    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+                      num_draft_tokens=5)
+    dec.depth_controller = Recorder([4])
+    dec.generate([PROMPTS[0]], max_new_tokens=12)
+    ran, chosen = dec.last_stats.depths, dec.depth_controller.chosen
+    assert any(r < c for r, c in zip(ran, chosen))   # the request's last steps were capped...
+    assert [d for d, _ in dec.depth_controller.records] == [r for r, c in zip(ran, chosen) if r == c]   # ...unrecorded
 
 
 def test_auto_is_lossless_and_reports_its_mode(models, ar):
