@@ -303,15 +303,8 @@ class SpecDecoder:
         while batch is not None:
             t0 = time.perf_counter()
             regime = _regime(batch.sampling)
-            depth = 0 if self.method == "none" else self._pick_depth(regime)
-            capped = False
-            if self.trim_last_steps and batch.sampling.all_greedy:
-                # never draft past what any request can still emit (a step emits its accepted drafts
-                # + 1). Greedy tokens do not depend on the depth; sampled ones would, through the
-                # draws, so sampled batches keep it: a request samples the same tokens in any batch.
-                useful = max(req.max_new[i] - len(req.results[i].token_ids) for i in batch.active) - 1
-                capped = depth > useful
-                depth = min(depth, useful)
+            chosen = 0 if self.method == "none" else self._pick_depth(regime)
+            depth = self._trimmed(chosen, batch, req)
             # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
             # makes this step's time unrepresentative of its depth
             steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
@@ -319,8 +312,8 @@ class SpecDecoder:
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)
-            # a capped step ran another depth than the controller chose, at a request's end: not recorded
-            if self.depth_controller is not None and req.last_emitted is not None and not capped:
+            # a trimmed step ran another depth than the controller chose, at a request's end: not recorded
+            if self.depth_controller is not None and req.last_emitted is not None and depth == chosen:
                 self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results
@@ -329,6 +322,16 @@ class SpecDecoder:
     def _max_len(self, req) -> int:
         extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk) + 2
         return max(len(p) for p in req.prompts) + max(req.max_new) + extra
+
+    def _trimmed(self, depth: int, batch, req) -> int:
+        """``depth``, or less at a greedy batch's end (``trim_last_steps``): a step emits its accepted
+        drafts + 1, so drafting more than any request's tokens left - 1 only costs. Greedy tokens do
+        not depend on the depth; sampled ones would, through the draws, so sampled batches keep it
+        (a request samples the same tokens in any batch)."""
+        if not self.trim_last_steps or not batch.sampling.all_greedy:
+            return depth
+        left = max(req.max_new[i] - len(req.results[i].token_ids) for i in batch.active)
+        return min(depth, left - 1)
 
     def _pick_depth(self, regime: str) -> int:
         if self.depth_controller is None:
