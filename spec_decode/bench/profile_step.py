@@ -97,6 +97,8 @@ class CallClock:
     forward, over every token the last step emitted (the whole prompt in a request's first step).
     ``outer`` (optional): another ``CallClock``; calls made while it is ``active`` (a forward that
     computes its own logits) are not counted here, so that no time counts twice.
+    ``new_request()`` marks the start of a ``generate`` call: its first catch-up, over the whole prompt,
+    is also counted in ``prompt_catch_up_calls`` and ``prompt_catch_up_seconds``.
     """
 
     def __init__(self, device: torch.device | None = None, clock=time.perf_counter, step_id=None, *,
@@ -104,6 +106,8 @@ class CallClock:
         self.device, self.clock, self.step_id, self.method, self.outer = device, clock, step_id, method, outer
         self.calls, self.seconds = 0, 0.0
         self.catch_up_calls, self.catch_up_seconds = 0, 0.0
+        self.prompt_catch_up_calls, self.prompt_catch_up_seconds = 0, 0.0
+        self._prompt_next = False
         self.active = False
         self._drafter = None
         self._last_step = None
@@ -128,10 +132,18 @@ class CallClock:
                     self._last_step = step
                     self.catch_up_seconds += elapsed
                     self.catch_up_calls += 1
+                    if self._prompt_next:
+                        self._prompt_next = False
+                        self.prompt_catch_up_seconds += elapsed
+                        self.prompt_catch_up_calls += 1
 
         setattr(drafter, self.method, timed)
         self._drafter = drafter
         return self
+
+    def new_request(self) -> None:
+        """The next catch-up is a request's first, over its prompt."""
+        self._prompt_next = True
 
     def detach(self) -> None:
         if self._drafter is not None:
@@ -158,7 +170,9 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
     ``"unaccounted"``: the step minus its phases), ``step_ar_steps``, ``step_without_drafting_ar_steps``,
     ``drafter_calls_per_step``, ``drafter_call_ms``, ``drafter_call_ar_steps``, and the same call split
-    into each step's first call, its catch-up (``catch_up_call_ms``, ``catch_up_call_ar_steps``), and
+    into each step's first call, its catch-up (``catch_up_call_ms``, ``catch_up_call_ar_steps``; split again
+    into each request's first, over its prompt, ``prompt_catch_up_call_*``, and the rest, after a verify
+    step, ``step_catch_up_call_*``), and
     the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); the drafter's logits
     (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), and
     the rest of the drafting phase per step, outside both (``drafting_rest_ms``, ``drafting_rest_ar_steps``:
@@ -195,6 +209,7 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
         for p in prompts:
             ar_decoder.generate([p], **sampling)
             ar_steps += ar_decoder.last_stats.step_s
+            call_clock.new_request()
             results = decoder.generate([p], **sampling)
             steps += decoder.last_stats.step_s
             accepted += [n for r in results for n in r.accepted_lengths]
@@ -234,6 +249,9 @@ def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_
         "drafter_calls_per_step": calls.calls / n if has_drafter else None,
         **_per_call("drafter_call", calls.seconds + prep, calls.calls, ar),
         **_per_call("catch_up_call", calls.catch_up_seconds, calls.catch_up_calls, ar),
+        **_per_call("prompt_catch_up_call", calls.prompt_catch_up_seconds, calls.prompt_catch_up_calls, ar),
+        **_per_call("step_catch_up_call", calls.catch_up_seconds - calls.prompt_catch_up_seconds,
+                    calls.catch_up_calls - calls.prompt_catch_up_calls, ar),
         **_per_call("draft_call", calls.seconds - calls.catch_up_seconds + prep, calls.calls - calls.catch_up_calls,
                     ar),
         "drafter_prepare_ms": prep / n * 1e3 if has_drafter else None,
@@ -280,6 +298,11 @@ def format_split(title: str, split: dict) -> str:
         lines.append(f"    the catch-up (a step's first call): {num(split['catch_up_call_ms'])} ms = "
                      f"{num(split['catch_up_call_ar_steps'])} ar steps; each later call: "
                      f"{num(split['draft_call_ms'])} ms = {num(split['draft_call_ar_steps'])} ar steps")
+    if split.get("prompt_catch_up_call_ms") is not None:
+        lines.append(f"      of which a request's first (its whole prompt): "
+                     f"{num(split['prompt_catch_up_call_ms'])} ms = "
+                     f"{num(split['prompt_catch_up_call_ar_steps'])} ar steps; after a verify step: "
+                     f"{num(split['step_catch_up_call_ms'])} ms = {num(split['step_catch_up_call_ar_steps'])} ar steps")
     if split.get("drafter_prepare_ms"):
         lines.append(f"    the later calls include their inputs built at once per step (prepare_chain): "
                      f"{num(split['drafter_prepare_ms'])} ms per step")

@@ -462,6 +462,22 @@ def test_profile_splits_each_steps_catch_up_from_its_later_calls():
     assert split["drafter_call_ms"] == pytest.approx(375.0)   # the mean over both kinds
 
 
+def test_profile_splits_each_requests_prompt_catch_up_from_the_other_catch_ups():
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES
+
+    clock = _FakeClock()
+    # per generate call: step 1's catch-up (the prompt) 1.0, a later call, step 2's catch-up 0.5, a later call
+    drafter = _FakeDrafter(clock, 0.0, costs=(1.0, 0.25, 0.5, 0.25))
+    dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
+    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    assert split["prompt_catch_up_call_ms"] == pytest.approx(1000.0)
+    assert split["prompt_catch_up_call_ar_steps"] == pytest.approx(0.5)
+    assert split["step_catch_up_call_ms"] == pytest.approx(500.0)
+    assert split["catch_up_call_ms"] == pytest.approx(750.0)   # both kinds
+    assert split["draft_call_ms"] == pytest.approx(250.0)
+
+
 class _FakeDrafterWithLogits(_FakeDrafter):
     """``_FakeDrafter`` whose ``compute_logits`` costs ``logits_cost``; ``nested``: its forward also
     computes logits (as a forward with ``return_logits=True`` does), which must count as forward time."""
