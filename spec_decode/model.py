@@ -907,24 +907,39 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
     write_pos = lengths[:, None] + _positions(past + num_new, lengths.device)[past:]  # (B, T)
     if position_ids is None:
         position_ids = write_pos
-    table = module.rope_table(cache.max_len, dtype)
-    try:
-        cos_sin = F.embedding(position_ids.to(lengths.device), table)  # (B, T, 2D)
-    except IndexError:
-        raise ValueError(f"position_ids must lie in [0, {table.shape[0]}) for this cache (max_len "
-                         f"{cache.max_len})") from None
-    B, D = lengths.shape[0], table.shape[1] // 2
+    cos_sin = _rope_rows(module, cache, position_ids.to(lengths.device), dtype)  # (B, T, 2D)
+    B, D = lengths.shape[0], cos_sin.shape[-1] // 2
     cos_sin = cos_sin.view(B, num_new, 1, 2 * D)
-    c = module.config
-    n_rep = c.num_attention_heads // c.num_key_value_heads
+    n_rep = _n_rep(module)
     if tree_mask is None and input_lens is None:
         mask = causal_block_mask(write_pos, kv_len or cache.max_len, n_rep)
     else:
         mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens, n_rep)
-    # one op, not full + masked_fill_; a compiled graph makes its own two values
+    return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask,
+                       _mask_bias(mask, dtype))
+
+
+def _rope_rows(module: RopeFrequencies, cache: KVCache, positions: Tensor, dtype: torch.dtype) -> Tensor:
+    """cos and sin of ``positions`` [B, T] from ``module``'s table: [B, T, 2D], or ValueError past its end."""
+    table = module.rope_table(cache.max_len, dtype)
+    try:
+        return F.embedding(positions, table)
+    except IndexError:
+        raise ValueError(f"position_ids must lie in [0, {table.shape[0]}) for this cache (max_len "
+                         f"{cache.max_len})") from None
+
+
+def _n_rep(module: RopeFrequencies) -> int:
+    """Query heads per kv head (folded into the query axis of the masks)."""
+    c = module.config
+    return c.num_attention_heads // c.num_key_value_heads
+
+
+def _mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """0 where ``mask``, -inf elsewhere, in ``dtype``: one op, not full + masked_fill_ (a compiled graph
+    makes its own two values)."""
     values = _bias_values.__wrapped__ if torch.compiler.is_compiling() else _bias_values
-    bias = torch.where(mask, *values(dtype, mask.device))
-    return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask, bias)
+    return torch.where(mask, *values(dtype, mask.device))
 
 
 def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, dtype: torch.dtype,
@@ -948,20 +963,13 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     lengths = cache.lengths
     B, C = lengths.shape[0], num_calls
     write_pos = lengths[:, None] + _positions(C, lengths.device)  # (B, C)
-    table = module.rope_table(cache.max_len, dtype)
-    try:
-        cos_sin = F.embedding(write_pos, table)  # (B, C, 2D)
-    except IndexError:
-        raise ValueError(f"position_ids of a chain of {C} calls must lie in [0, {table.shape[0]}) for this cache "
-                         f"(max_len {cache.max_len})") from None
-    D = table.shape[1] // 2
-    c = module.config
-    n_rep = c.num_attention_heads // c.num_key_value_heads
+    cos_sin = _rope_rows(module, cache, write_pos, dtype)  # (B, C, 2D)
+    D = cos_sin.shape[-1] // 2
+    n_rep = _n_rep(module)
     full = cache.max_len if kv_len is None else kv_len + C
     # (C, B, 1, n_rep, full): call d's mask is a contiguous [B, 1, n_rep, full] slab before its key trim
     mask = (_positions(full, lengths.device) <= write_pos.T[:, :, None])[:, :, None, None].expand(C, B, 1, n_rep, full)
-    values = _bias_values.__wrapped__ if torch.compiler.is_compiling() else _bias_values
-    bias = torch.where(mask, *values(dtype, mask.device))
+    bias = _mask_bias(mask, dtype)
     # one unbind per input, not a slice per call and input: each op costs a few us on CPU
     cs = cos_sin.view(B, C, 1, 1, 2 * D)
     cos, sin = cs[..., :D].unbind(1), cs[..., D:].unbind(1)                       # C x (B, 1, 1, D)

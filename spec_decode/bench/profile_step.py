@@ -83,7 +83,7 @@ class PhaseClock:
 
 class CallClock:
     """Counts and times the calls of one ``drafting.Drafter`` protocol method of a drafter: ``draft_forward``
-    (its forward, the default) or ``compute_logits`` (its logits).
+    (its forward, the default), ``compute_logits`` (its logits) or the optional ``prepare_chain``.
 
     ``attach(drafter)`` shadows the method with a timed wrapper (an instance attribute); ``detach()``
     removes it. Timing from outside the call keeps a compiled forward (``SpecDecoder(compile=True)``)
@@ -163,8 +163,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
 
     ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
     and so is ``trim_last_steps``, off while it runs (every step then drafts the configured depth).
-    ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted and
-    timed (None: none).
+    ``drafter``: the decoder's drafter, whose ``draft_forward``, ``compute_logits`` and (where it has it)
+    ``prepare_chain`` calls are counted and timed (None: none).
     Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
     Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
@@ -174,7 +174,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     into each request's first, over its prompt, ``prompt_catch_up_call_*``, and the rest, after a verify
     step, ``step_catch_up_call_*``), and
     the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); the drafter's logits
-    (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), and
+    (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), its
+    ``prepare_chain`` per step (``drafter_prepare_ms``, counted in the later calls' figures), and
     the rest of the drafting phase per step, outside both (``drafting_rest_ms``, ``drafting_rest_ar_steps``:
     sampling or top-k, tree bookkeeping, the draft NaN pass); None without a drafter (or, for the split,
     without such calls).

@@ -174,10 +174,26 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
                 assert torch.allclose(q.sum(), torch.tensor(1.0)) and bool((q[kids] > 0).all())
 
 
-def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails(tmp_path):
-    """The chain counts its spec rows as committed while it drafts; an error midway must not keep them."""
+class _WithoutPrepareChain:
+    """A drafter seen without its optional ``prepare_chain``: chain drafting takes the per-call path."""
+
+    def __init__(self, drafter):
+        self._drafter = drafter
+
+    def __getattr__(self, name):
+        if name == "prepare_chain":
+            raise AttributeError(name)
+        return getattr(self._drafter, name)
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepare_chain", "per-call"])
+def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails(tmp_path, prepared):
+    """Without ``prepare_chain`` the chain counts its spec rows as committed while it drafts; with it,
+    the lengths never move. Either way an error midway must not keep them."""
     from spec_decode.drafting import draft_tree
     target, drafter = _target_and_drafter(tmp_path, "eagle")
+    if not prepared:
+        drafter = _WithoutPrepareChain(drafter)
     prompts = torch.tensor([[3, 14, 15, 92, 65, 35]])
     calls = []
     real_logits = drafter.compute_logits
@@ -239,6 +255,25 @@ def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
     if ref.draft_probs is not None:
         assert torch.equal(fast.draft_probs, ref.draft_probs)
     assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_chain_drafting_without_prepare_chain_builds_the_same_tree(tmp_path, kind):
+    """A drafter without the optional ``prepare_chain`` drafts per call, to the same chain and q."""
+    from spec_decode.drafting import DraftSampling, draft_tree
+    with torch.no_grad():
+        args = _three_rows_after_a_prompt(tmp_path, kind)
+        drafter, cache = args[0], args[1]
+        trees = []
+        for d in (drafter, _WithoutPrepareChain(drafter)):
+            gens = [torch.Generator().manual_seed(s) for s in range(3)]
+            sampling = DraftSampling(torch.tensor([True, False, True]), torch.tensor([0.7, 1.0, 1.3]), None, None,
+                                     gens)
+            trees.append(draft_tree(d, *args[1:], num_steps=4, topk=1, num_draft_tokens=5, kv_len=6,
+                                    sampling=sampling))
+            assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
+    assert torch.equal(trees[0].draft_probs, trees[1].draft_probs)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
