@@ -372,7 +372,7 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     general path keeps; skipping its scores, ancestor sets and final selection saves most of the
     Python and small ops around the ``num_steps - 1`` drafter calls.
     """
-    B, N, device = root.shape[0], num_steps + 1, root.device
+    N = num_steps + 1
     chain, qs = [root[:, None]], []
     logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
     # A chain node sees every spec row before it: each call is a plain causal one-token forward
@@ -403,8 +403,17 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     draft_probs = None
     if sampling is not None:   # q at node i drew node i + 1; the last node has no children
         draft_probs = drafter.to_target_probs(torch.cat(qs + [torch.zeros_like(qs[0])], 1))
-    parents, depth, tree_mask = _chain_layout(B, N, device)
-    return DraftTree(torch.cat(chain, 1), parents, depth, tree_mask, max_depth=num_steps, draft_probs=draft_probs,
+    return chain_tree(torch.cat(chain, 1), draft_probs)
+
+
+def chain_tree(tokens: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+    """The ``DraftTree`` of full chains: node i the child of node i - 1 in every row.
+
+    Shape: tokens [B, N] (root first); draft_probs [B, N, V] or None (deterministic drafts).
+    """
+    B, N = tokens.shape
+    parents, depth, tree_mask = _chain_layout(B, N, tokens.device)
+    return DraftTree(tokens, parents, depth, tree_mask, max_depth=N - 1, draft_probs=draft_probs,
                      max_children=1, chain=True)
 
 

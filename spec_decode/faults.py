@@ -11,7 +11,7 @@ that leaves the rows alive (``guard`` sanitizes them and the request continues).
     every target logits row of that request at that step (before the numerics pass);
 ``"draft_logits"``
     the drafter's first prediction for that request at that step (drafting is skipped by
-    ``method="none"``, where this site never fires);
+    ``method="none"`` and by a step that verifies lookup drafts, where this site never fires);
 ``"target_hidden"``
     the target features that the drafter receives after that step (EAGLE methods);
 ``"kv_cache"``

@@ -11,7 +11,7 @@ from spec_decode.fixtures import find_fixtures_dir
 
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
 METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
-               "eagle3_tree")
+               "eagle_lookup", "eagle3_tree")
 DTYPE_NAMES = ("fp32", "bf16")
 NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
@@ -27,7 +27,9 @@ class MethodSpec:
     (``"draft_lm"``, ``"eagle"``, ``"eagle3"`` or None). A chain is ``topk=1`` with
     ``num_draft_tokens = num_steps + 1`` (root included); ``num_steps="auto"`` lets the decoder
     choose the depth per step. ``score_temperature``: ``SpecDecoder(tree_score_temperature=...)``
-    (None: the library's default, 1.0).
+    (None: the library's default, 1.0). ``lookup_ngram``: ``SpecDecoder(lookup_ngram=...)`` (None: off),
+    greedy steps that verify drafts copied from the request's context where its last n-gram occurred
+    before (``spec_decode.lookup``).
     """
 
     key: str
@@ -38,6 +40,7 @@ class MethodSpec:
     topk: int | None = None
     num_draft_tokens: int | None = None
     score_temperature: float | None = None
+    lookup_ngram: int | None = None
 
     @property
     def speculative(self) -> bool:
@@ -60,6 +63,9 @@ METHOD_SPECS = {
     # a chain up to depth 6 (the CPU winner's form), its depth chosen per step by the decoder
     # (SpecDecoder(num_steps="auto")), down to a plain target step
     "eagle_auto": MethodSpec("eagle_auto", "ours", "eagle", "eagle", "auto", 1, 7),
+    # the chain that wins `spec-bench tune` on CPU (5/1/6), with lookup steps where a greedy request's
+    # last 3 tokens occurred before in its context (prompt lookup; 8 drafts a step at most)
+    "eagle_lookup": MethodSpec("eagle_lookup", "ours", "eagle", "eagle", 5, 1, 6, lookup_ngram=3),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8, score_temperature=0.5),
 }
 

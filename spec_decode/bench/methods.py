@@ -58,6 +58,8 @@ class OursRunner:
             d.update(num_steps=self.decoder.num_steps, draft_sampling=self.decoder.draft_sampling)
             if self.decoder.num_steps == "auto":
                 d["max_steps"] = self.decoder.max_steps
+            if self.decoder.lookup_ngram:
+                d["lookup_tokens"] = self.decoder.lookup_tokens
         return d
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
@@ -148,6 +150,8 @@ class ModelCache:
                                                num_draft_tokens=spec.num_draft_tokens)
         if drafter is not None and spec.score_temperature is not None:
             tree["tree_score_temperature"] = spec.score_temperature
+        if spec.lookup_ngram is not None:
+            tree["lookup_ngram"] = spec.lookup_ngram
         dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)
         return OursRunner(spec, dec, (target, drafter))
 

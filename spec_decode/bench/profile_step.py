@@ -162,7 +162,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``prompts``; return the split.
 
     ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
-    and so is ``trim_last_steps``, off while it runs (every step then drafts the configured depth).
+    and so are ``trim_last_steps`` and ``lookup_ngram``, off while it runs (every step then drafts the
+    configured depth with the drafter).
     ``drafter``: the decoder's drafter, whose ``draft_forward``, ``compute_logits`` and (where it has it)
     ``prepare_chain`` calls are counted and timed (None: none).
     Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
@@ -192,12 +193,16 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
     prepare_clock = CallClock(device, clock, method="prepare_chain")
     previous = decoder.phase_timer
-    # every step at the configured shape, warm-up included: no last step trimmed to the tokens left
+    # every step at the configured shape, warm-up included: no last step trimmed to the tokens left,
+    # no step drafted by lookup instead of the drafter
     trims = getattr(decoder, "trim_last_steps", None)
+    lookup = getattr(decoder, "lookup_ngram", None)
     ar_steps, steps, accepted = [], [], []
     try:
         if trims is not None:
             decoder.trim_last_steps = False
+        if lookup is not None:
+            decoder.lookup_ngram = 0
         for dec in (ar_decoder, decoder):   # warm-up
             dec.generate(prompts[:1], **sampling)
         decoder.phase_timer = phase_clock
@@ -218,6 +223,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
         decoder.phase_timer = previous
         if trims is not None:
             decoder.trim_last_steps = trims
+        if lookup is not None:
+            decoder.lookup_ngram = lookup
         call_clock.detach()
         logits_clock.detach()
         prepare_clock.detach()

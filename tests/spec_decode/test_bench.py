@@ -88,6 +88,9 @@ def test_results_json_follows_the_contract(bench_run):
     # eagle_auto: a chain up to depth 6, the depth chosen by the decoder (as the decoder reports it)
     assert configs["eagle_auto"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": "auto",
                                      "max_steps": 6, "topk": 1, "num_draft_tokens": 7, "draft_sampling": "auto"}
+    assert configs["eagle_lookup"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": 5, "topk": 1,
+                                       "num_draft_tokens": 6, "lookup_ngram": 3, "lookup_tokens": 8,
+                                       "draft_sampling": "auto"}
     for key in ("ar", "hf_generate", "hf_assisted"):
         assert "draft_sampling" not in configs[key], key
     for key, e in r["methods"].items():
@@ -108,10 +111,11 @@ def test_accepted_lengths_only_for_speculative_methods(bench_run):
     _, r = bench_run
     for key in ("ar", "hf_generate", "hf_assisted"):
         assert r["methods"][key]["mean_accepted_length"] is None, key
-    for key in ("draft_chain", "eagle_chain", "eagle_tree", "eagle_auto", "eagle3_tree"):
+    for key in ("draft_chain", "eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eagle3_tree"):
         e = r["methods"][key]
         config = r["config"]["method_configs"][key]
         depth = config["max_steps"] if config["num_steps"] == "auto" else config["num_steps"]
+        depth = max(depth, config.get("lookup_tokens", 0))   # a lookup step verifies up to lookup_tokens drafts
         assert 1.0 <= e["mean_accepted_length"] <= depth + 1, key
         hist = {int(n): c for n, c in e["accepted_length_hist"].items()}
         assert sum(hist.values()) == e["num_verify_steps"]
@@ -627,6 +631,32 @@ def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
     assert dec.trim_last_steps is True
     dec.generate([[1, 2, 3]], max_new_tokens=5)
     assert dec.last_stats.depths[-1] < 3   # trimmed again outside the profile
+
+
+def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
+    """A decoder with lookup_ngram is profiled without lookup steps (none of them calls the drafter)."""
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES, SpecDecoder
+
+    m = fake_fixtures / "models"
+    dec = SpecDecoder.from_pretrained(m / "tiny-target", m / "tiny-eagle", dtype=torch.float32, num_steps=3,
+                                      topk=1, num_draft_tokens=4, lookup_ngram=1)
+    ar = SpecDecoder.from_pretrained(m / "tiny-target", dtype=torch.float32, method="none")
+    prompt = list(range(dec.target.config.vocab_size))   # every token occurred: lookup drafts at every step
+    dec.generate([prompt], max_new_tokens=5)
+    assert dec.last_stats.lookup[0]
+    flags = []
+    real_generate = dec.generate
+
+    def generate(*args, **kwargs):
+        out = real_generate(*args, **kwargs)
+        flags.extend(dec.last_stats.lookup)
+        return out
+
+    dec.generate = generate
+    split = profile_split(dec, ar, dec.drafter, [prompt], 5, phases=PHASES)
+    assert flags and not any(flags) and split["drafter_calls_per_step"] == pytest.approx(3.0)
+    assert dec.lookup_ngram == 1
 
 
 def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):

@@ -1,0 +1,172 @@
+"""``SpecDecoder(lookup_ngram=...)``: steps that verify drafts copied from the requests' contexts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_decode import NanFault, SpecDecoder
+from spec_decode.lookup import ContextLookup
+from spec_decode.model import Transformer
+
+# Each prompt holds every token of the tiny vocabulary (97), so with lookup_ngram=1 every context has
+# lookup drafts at every step (random models rarely accept them: the shipped target's test below does).
+PROMPTS = [torch.randperm(97, generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+MAX_NEW = 20
+
+
+class ScriptedLookup:
+    """Lets ``dec._lookup_tree`` draft on the scripted steps only (a cycle of bools): any mix of lookup and
+    drafted steps, to reach every catch-up pattern (a drafted step after lookup steps catches up on all)."""
+
+    def __init__(self, dec, pattern):
+        self.lookup_tree, self.pattern = dec._lookup_tree, pattern
+        self.made: list[bool] = []   # per step: whether it got lookup drafts
+        dec._lookup_tree = self
+
+    def __call__(self, batch, req):
+        tree = self.lookup_tree(batch, req) if self.pattern[len(self.made) % len(self.pattern)] else None
+        self.made.append(tree is not None)
+        return tree
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
+
+    root = tmp_path_factory.mktemp("lookup_models")
+    target = Transformer.from_pretrained(make_tiny_target(root, seed=0), dtype=torch.float32)
+    return dict(target=target, eagle=make_tiny_eagle(target, seed=1),
+                eagle3=make_tiny_eagle3(target, draft_vocab_size=61), draft_model=target, none=None)
+
+
+@pytest.fixture(scope="module")
+def ar(models):
+    dec = SpecDecoder(models["target"], None, method="none")
+    return [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=MAX_NEW)]
+
+
+def decoder(models, method, **kw):
+    tree = {} if method == "none" else dict(num_steps=3, topk=1, num_draft_tokens=4)
+    return SpecDecoder(models["target"], models[method], method=method, **{**tree, **kw})
+
+
+PATTERNS = {"always": [True], "alternate": [True, False], "backlog": [True, True, True, False], "never": [False]}
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "none"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(models, ar, method, batch, pattern):
+    dec = decoder(models, method, lookup_ngram=1, lookup_tokens=5)
+    script = ScriptedLookup(dec, PATTERNS[pattern])
+    out = []
+    for i in range(0, len(PROMPTS), batch):
+        before = len(script.made)
+        out += [r.token_ids for r in dec.generate(PROMPTS[i:i + batch], max_new_tokens=MAX_NEW)]
+        stats = dec.last_stats
+        assert stats.lookup == script.made[before:]
+        assert len(stats.lookup) == len(stats.depths) == len(stats.step_s)
+        assert stats.host_copies == len(stats.step_s) + 1   # still one host copy per step
+    assert out == ar
+    # every scripted lookup step got drafts (every token occurred before) but a last step with one token left
+    scripted = [PATTERNS[pattern][s % len(PATTERNS[pattern])] for s in range(len(script.made))]
+    assert sum(script.made) >= sum(scripted) - len(PROMPTS) // batch and sum(script.made) <= sum(scripted)
+
+
+def test_a_lookup_step_needs_no_drafter_call(models):
+    dec = decoder(models, "eagle", lookup_ngram=1, lookup_tokens=5)
+    ScriptedLookup(dec, [True, False])
+    calls = []
+    forward = dec.drafter.draft_forward
+    dec.drafter.draft_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        dec.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    finally:
+        del dec.drafter.draft_forward
+    stats = dec.last_stats
+    drafted = [d for d, lookup in zip(stats.depths, stats.lookup) if not lookup and d > 0]
+    assert stats.lookup[0] and drafted
+    assert len(calls) == sum(drafted)   # each drafted step: its catch-up and depth - 1 calls
+
+
+def test_lookup_drafts_are_cut_to_the_tokens_left(models):
+    dec = decoder(models, "eagle", lookup_ngram=1, lookup_tokens=8)
+    out = dec.generate(PROMPTS[:2], max_new_tokens=4)
+    stats = dec.last_stats
+    assert stats.lookup[0] and stats.depths[0] == 2   # 3 tokens left after the prefill's: at most 2 drafts
+    assert all(len(r.token_ids) == 4 for r in out)
+    dec.trim_last_steps = False
+    assert [r.token_ids for r in dec.generate(PROMPTS[:2], max_new_tokens=4)] == [r.token_ids for r in out]
+    assert dec.last_stats.depths[0] == 8
+
+
+def test_a_request_without_drafts_makes_the_step_draft_as_configured(models, ar):
+    fresh = [30, 31, 32, 33]   # no token repeats
+    alone = SpecDecoder(models["target"], None, method="none").generate([fresh], max_new_tokens=MAX_NEW)[0]
+    assert not ContextLookup(1, fresh + alone.token_ids[:1]).drafts(1)   # its first step has no lookup drafts
+    dec = decoder(models, "eagle", lookup_ngram=1)
+    out = dec.generate([PROMPTS[0], fresh], max_new_tokens=MAX_NEW)
+    assert not dec.last_stats.lookup[0]
+    assert [r.token_ids for r in out] == [ar[0], alone.token_ids]
+
+
+@pytest.mark.parametrize("temperature", [1.0, [0.0, 1.0]], ids=["sampled", "mixed"])
+def test_batches_with_sampled_requests_never_take_lookup_steps(models, temperature):
+    dec = decoder(models, "eagle", lookup_ngram=1)
+    with_lookup = dec.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature, seed=[1, 2])
+    assert not any(dec.last_stats.lookup)
+    plain = decoder(models, "eagle").generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature,
+                                              seed=[1, 2])
+    assert [r.token_ids for r in with_lookup] == [r.token_ids for r in plain]
+
+
+def test_lookup_steps_are_not_reported_to_the_depth_controller(models):
+    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+                      num_draft_tokens=5, lookup_ngram=1)
+    ScriptedLookup(dec, [True, False, False])
+    recorded = []   # the lookup flag of each recorded step (record runs after the step's stats)
+    record = dec.depth_controller.record
+    dec.depth_controller.record = lambda *a: recorded.append(dec.last_stats.lookup[-1]) or record(*a)
+    dec.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert any(dec.last_stats.lookup) and recorded and not any(recorded)
+
+
+def test_abort_stops_only_the_corrupted_request_at_a_lookup_step(models, ar):
+    dec = decoder(models, "eagle", lookup_ngram=1, nan_policy="abort")
+    out = dec.generate(PROMPTS, max_new_tokens=MAX_NEW, faults=[NanFault(request=1, step=1, site="target_logits")])
+    assert dec.last_stats.lookup[0]   # step 1 verified lookup drafts
+    assert out[1].finish_reason == "nan_abort"
+    assert [out[0].token_ids, out[2].token_ids] == [ar[0], ar[2]]
+
+
+@pytest.mark.parametrize("kw, name", [(dict(lookup_ngram=-1), "lookup_ngram"), (dict(lookup_ngram=1.5), "lookup_ngram"),
+                                      (dict(lookup_tokens=0), "lookup_tokens")])
+def test_bad_lookup_arguments_are_named(models, kw, name):
+    with pytest.raises(ValueError, match=name):
+        decoder(models, "eagle", **kw)
+
+
+def test_from_pretrained_passes_the_lookup_arguments(safespec_tiny_target_path, safespec_tiny_eagle_path):
+    dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle_path, dtype=torch.float32,
+                                      num_steps=4, topk=1, num_draft_tokens=5, lookup_ngram=3, lookup_tokens=6)
+    assert (dec.lookup_ngram, dec.lookup_tokens) == (3, 6)
+
+
+def test_on_the_shipped_target_a_looping_output_is_drafted_by_lookup(safespec_tiny_target_path, safespec_tiny_eagle_path,
+                                                                   safespec_tiny_prompts):
+    """The shipped target loops on some prompts (`import os` over and over): lookup steps accept deep there."""
+    kw = dict(dtype=torch.float32, num_steps=4, topk=1, num_draft_tokens=5)
+    prompts = [p["token_ids"] for p in safespec_tiny_prompts[:8]]
+    plain = SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle_path, **kw)
+    lookup = SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle_path, lookup_ngram=3,
+                                         lookup_tokens=8, **kw)
+    steps, emitted = {}, []
+    for name, dec in (("plain", plain), ("lookup", lookup)):
+        steps[name] = 0
+        for p in prompts:
+            out = dec.generate([p], max_new_tokens=64)[0]
+            steps[name] += len(dec.last_stats.step_s)
+            if name == "lookup":
+                emitted += [n for n, lk in zip(out.accepted_lengths, dec.last_stats.lookup) if lk]
+    assert steps["lookup"] < steps["plain"]
+    assert len(emitted) > 10 and sum(emitted) / len(emitted) > 3
