@@ -43,7 +43,7 @@ from .output import SamplerOutput
 from ._params import SamplingParams
 from .probs import PLACEHOLDER_TOKEN_ID, logits_to_probs, sample
 from .tree import TreeVerifyResult, greedy_tree_verify, tree_verify
-from .verify import chain_speculative_sampling, greedy_verify
+from .verify import chain_speculative_sampling, greedy_accept, greedy_verify
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
@@ -53,6 +53,7 @@ __all__ = [
     "chain_speculative_sampling",
     "clean_probs",
     "greedy_tree_verify",
+    "greedy_accept",
     "greedy_verify",
     "logits_to_probs",
     "row_uniform",

@@ -44,6 +44,23 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     return mask.cumprod(1).sum(1)   # cumprod of bool counts in int64
 
 
+def greedy_accept(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's argmax at every position and how many leading drafts equal it.
+
+    ``greedy_verify``'s acceptance without its checks, NaN pass and padded output, for a caller
+    that validated and sanitized the logits itself (the pipeline's NaN pass): a row emits
+    ``argmax[:num_accepted + 1]``, the accepted drafts then the target's token after them.
+
+    Shape:
+        draft_token_ids: [B, K] integer; target_logits: [B, K+1, V] floating, sanitized.
+        returns: (argmax [B, K+1] int64, num_accepted [B] int64).
+    """
+    dtype = argmax_dtype(target_logits)
+    work = target_logits if dtype in (None, target_logits.dtype) else target_logits.to(dtype)
+    best = work.argmax(-1)  # [B, K+1]
+    return best, _leading_true(draft_token_ids == best[:, :draft_token_ids.shape[1]])  # out-of-range ids never match
+
+
 def greedy_verify(
     draft_token_ids: torch.Tensor,
     target_logits: torch.Tensor,
@@ -83,8 +100,7 @@ def greedy_verify(
     if check_inputs:
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
     prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits))
-    best = prep.work.argmax(-1)  # [B, K+1]
-    num = _leading_true(draft_token_ids == best[:, :k])  # out-of-range ids never equal an argmax
+    best, num = greedy_accept(draft_token_ids, prep.work)
     # The accepted drafts equal the argmax at their positions, and the token after them is the argmax
     # there: the row is the argmax up to position num, then -1 (two ops, not _emit's gather and scatter).
     pos = torch.arange(k + 1, device=best.device)

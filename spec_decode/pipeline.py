@@ -43,8 +43,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
-from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_tree_verify,
-                      greedy_verify, logits_to_probs, sample, tree_verify)
+from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_accept,
+                      greedy_tree_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.lookup import ContextLookup, check_lookup_args
@@ -525,7 +525,7 @@ class SpecDecoder:
     def _verify(self, tree, logits, batch) -> "_Verified":
         """Verify the batch's trees: ``tree_verify``, or the chain verifiers for chains (``topk=1``).
 
-        An all-greedy chain goes through ``greedy_verify`` (argmax match, no walk), an all-greedy
+        An all-greedy chain goes through ``greedy_accept`` (argmax match, no walk), an all-greedy
         tree through ``greedy_tree_verify`` with the tree's own mask as its ancestor relation. A chain with
         sampled rows goes through ``chain_speculative_sampling``: the same
         law as the tree walk's recursive rejection with one child per node, in far fewer ops. Greedy
@@ -536,8 +536,9 @@ class SpecDecoder:
         s = batch.sampling
         B, N, V = logits.shape
         if (self.topk == 1 or tree.chain) and s.all_greedy:   # the tree is a chain: no walk needed
-            out = greedy_verify(tree.tokens[:, 1:], logits, nan_policy="off")
-            return _Verified(out.output_token_ids, out.num_emitted)
+            # the NaN pass sanitized the logits: greedy_verify's checks and padded output would cost ~6 ops
+            best, num = greedy_accept(tree.tokens[:, 1:], logits)
+            return _Verified(best, num + 1)
         if s.all_greedy:   # the drafter's verify mask is the trees' ancestor relation: nothing to rebuild
             res = greedy_tree_verify(tree.tokens, tree.parents, logits, ancestor_mask=tree.tree_mask,
                                      max_depth=tree.max_depth, nan_policy="off")
@@ -710,7 +711,8 @@ class SpecDecoder:
 
 @dataclass
 class _Verified:
-    """What a step's verification emits. Shape: output_token_ids [B, D+1] (then -1), num_emitted [B],
+    """What a step's verification emits. Shape: output_token_ids [B, D+1] (only the first num_emitted of a
+    row are read: the rest is -1, or for greedy chains the target's argmax), num_emitted [B],
     accepted_node_ids [B, D] (tree nodes along the accepted path, then -1), or None for a chain's, which
     ``accepted_path`` builds when a step needs them (most chain steps do not)."""
 

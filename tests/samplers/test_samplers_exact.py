@@ -8,6 +8,7 @@ import torch
 from samplers import (
     PLACEHOLDER_TOKEN_ID,
     chain_speculative_sampling,
+    greedy_accept,
     greedy_tree_verify,
     greedy_verify,
     logits_to_probs,
@@ -50,6 +51,28 @@ def test_greedy_verify_exact(draft, argmax, expected, emitted):
     assert out.dtype == torch.int32 and num.dtype == torch.int32
     assert out.tolist() == expected
     assert num.tolist() == emitted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, k", [(1, 0), (1, 5), (3, 1), (5, 4)])
+def test_greedy_accept_is_greedy_verify_without_the_padding(dtype, batch, k):
+    """Its argmax prefix and count are greedy_verify's (which pads with -1), drafts out of range included."""
+    g = torch.Generator().manual_seed(batch * 10 + k)
+    logits = torch.randn(batch, k + 1, V, generator=g).to(dtype)
+    best32 = logits.float().argmax(-1)
+    # drafts that match a random prefix of the argmax, then differ (sometimes out of range)
+    draft = best32[:, :k].clone()
+    for b in range(batch):
+        cut = int(torch.randint(0, k + 1, (1,), generator=g))
+        if cut < k:
+            draft[b, cut] = (draft[b, cut] + 1) % V if b % 2 else V + 3
+    best, num = greedy_accept(draft, logits)
+    out, num_v = greedy_verify(draft, logits)
+    assert best.dtype == num.dtype == torch.int64 and best.shape == (batch, k + 1)
+    assert torch.equal(best, best32) and num.tolist() == num_v.tolist()
+    for b in range(batch):
+        n = int(num[b]) + 1
+        assert best[b, :n].tolist() == out[b, :n].tolist() and (out[b, n:] == PLACEHOLDER_TOKEN_ID).all()
 
 
 def test_greedy_verify_out_of_range_draft_is_rejected():
