@@ -608,26 +608,34 @@ def test_the_cprofile_pass_runs_at_the_splits_temperature():
     assert greedy.calls == [dict(max_new_tokens=4, temperature=0.0, seed=None)]
 
 
-def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
-    """Every profiled step has the configured depth (no last step trimmed to the tokens left)."""
-    from spec_decode.bench.profile_step import profile_split
-    from spec_decode.pipeline import PHASES, SpecDecoder
+def _recording_decoders(fake_fixtures, **kw):
+    """A 3/1/4 EAGLE decoder whose ``generate`` calls append their ``last_stats`` to a list, and an ``ar`` one."""
+    from spec_decode.pipeline import SpecDecoder
 
     m = fake_fixtures / "models"
     dec = SpecDecoder.from_pretrained(m / "tiny-target", m / "tiny-eagle", dtype=torch.float32, num_steps=3,
-                                      topk=1, num_draft_tokens=4)
+                                      topk=1, num_draft_tokens=4, **kw)
     ar = SpecDecoder.from_pretrained(m / "tiny-target", dtype=torch.float32, method="none")
-    depths = []
+    stats = []
     real_generate = dec.generate
 
     def generate(*args, **kwargs):
         out = real_generate(*args, **kwargs)
-        depths.extend(dec.last_stats.depths)
+        stats.append(dec.last_stats)
         return out
 
     dec.generate = generate
+    return dec, ar, stats
+
+
+def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
+    """Every profiled step has the configured depth (no last step trimmed to the tokens left)."""
+    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.pipeline import PHASES
+
+    dec, ar, stats = _recording_decoders(fake_fixtures)
     split = profile_split(dec, ar, dec.drafter, [[1, 2, 3]], 5, phases=PHASES)
-    assert set(depths) == {3} and split["drafter_calls_per_step"] == pytest.approx(3.0)
+    assert {d for st in stats for d in st.depths} == {3} and split["drafter_calls_per_step"] == pytest.approx(3.0)
     assert dec.trim_last_steps is True
     dec.generate([[1, 2, 3]], max_new_tokens=5)
     assert dec.last_stats.depths[-1] < 3   # trimmed again outside the profile
@@ -636,26 +644,16 @@ def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
 def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
     """A decoder with lookup_ngram is profiled without lookup steps (none of them calls the drafter)."""
     from spec_decode.bench.profile_step import profile_split
-    from spec_decode.pipeline import PHASES, SpecDecoder
+    from spec_decode.pipeline import PHASES
 
-    m = fake_fixtures / "models"
-    dec = SpecDecoder.from_pretrained(m / "tiny-target", m / "tiny-eagle", dtype=torch.float32, num_steps=3,
-                                      topk=1, num_draft_tokens=4, lookup_ngram=1)
-    ar = SpecDecoder.from_pretrained(m / "tiny-target", dtype=torch.float32, method="none")
+    dec, ar, stats = _recording_decoders(fake_fixtures, lookup_ngram=1)
     prompt = list(range(dec.target.config.vocab_size))   # every token occurred: lookup drafts at every step
     dec.generate([prompt], max_new_tokens=5)
     assert dec.last_stats.lookup[0]
-    flags = []
-    real_generate = dec.generate
-
-    def generate(*args, **kwargs):
-        out = real_generate(*args, **kwargs)
-        flags.extend(dec.last_stats.lookup)
-        return out
-
-    dec.generate = generate
+    stats.clear()
     split = profile_split(dec, ar, dec.drafter, [prompt], 5, phases=PHASES)
-    assert flags and not any(flags) and split["drafter_calls_per_step"] == pytest.approx(3.0)
+    assert stats and not any(f for st in stats for f in st.lookup)
+    assert split["drafter_calls_per_step"] == pytest.approx(3.0)
     assert dec.lookup_ngram == 1
 
 
