@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch_threads(cfg.threads):
         split = profile_split(runner.decoder, ar.decoder, runner.modules[1], prompts, args.max_new_tokens,
                               phases=pipeline.PHASES, temperature=args.temperature, seed=cfg.seed, device=device)
-        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}), {dtype}"
+        title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
+                 f"{', its lookup steps off' if spec.lookup_ngram else ''}), {dtype}"
                  f"{', compiled' if cfg.compile else ''}, "
                  f"temperature {args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                  f"{torch.get_num_threads()} thread(s)")

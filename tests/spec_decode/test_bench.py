@@ -676,6 +676,13 @@ def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
     assert split["ar_steps"]["verify_forward"] > 0 and split["step_ar_steps"] > 0
 
 
+def test_profile_of_eagle_lookup_says_its_lookup_steps_are_off(fake_fixtures, capsys):
+    rc = main(["profile"] + _model_args(fake_fixtures) + ["--method", "eagle_lookup", "--num-prompts", "1",
+                                                          "--max-new-tokens", "4", "--threads", "1"])
+    assert rc == 0
+    assert "eagle_lookup (5/1/6, its lookup steps off)" in capsys.readouterr().out
+
+
 def _run_gemm(fake_fixtures, capsys, *args) -> str | None:
     """``spec-bench gemm`` on the fake fixtures (one prompt x 4 tokens); its output, or None where the
     kernel cannot run (after checking that it says so)."""
