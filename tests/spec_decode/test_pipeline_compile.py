@@ -58,6 +58,17 @@ def test_compiled_greedy_speculation_equals_compiled_ar(compiled):
     assert dec.last_stats.host_copies == len(dec.last_stats.step_s) + 1   # one per step, plus the prefill's
 
 
+def test_compiled_lookup_steps_equal_compiled_ar(compiled):
+    """Lookup steps vary the verify block's length: the dynamic graphs take them (every prompt holds the whole
+    vocabulary, so with lookup_ngram=1 every step but a last one verifies lookup drafts)."""
+    prompts = [torch.randperm(97, generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    ar = _tokens(compiled["ar"].generate(prompts, max_new_tokens=12))
+    dec = SpecDecoder(compiled["target"], compiled["head"], method="eagle", compile=True, num_steps=3, topk=1,
+                      num_draft_tokens=4, lookup_ngram=1, lookup_tokens=5)
+    assert _tokens(dec.generate(prompts, max_new_tokens=12)) == ar
+    assert dec.last_stats.lookup[0]
+
+
 def test_compiled_logits_match_eager(compiled):
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
