@@ -156,6 +156,19 @@ class CallClock:
         return self.clock()
 
 
+# What the profile turns off while it runs, so that every step (warm-up included) drafts the configured
+# shape with the drafter: no last step trimmed to the tokens left, no step verifying lookup drafts instead.
+_OFF_WHILE_PROFILING = {"trim_last_steps": False, "lookup_ngram": 0}
+
+
+def _switch_off(decoder) -> dict:
+    """Set ``decoder``'s ``_OFF_WHILE_PROFILING`` attributes (those it has); return their previous values."""
+    saved = {name: getattr(decoder, name) for name in _OFF_WHILE_PROFILING if hasattr(decoder, name)}
+    for name in saved:
+        setattr(decoder, name, _OFF_WHILE_PROFILING[name])
+    return saved
+
+
 def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
                   max_new_tokens: int, *, phases: tuple[str, ...], temperature: float = 0.0, seed: int = 0,
                   device: torch.device | None = None, clock=time.perf_counter) -> dict:
@@ -193,16 +206,9 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
     prepare_clock = CallClock(device, clock, method="prepare_chain")
     previous = decoder.phase_timer
-    # every step at the configured shape, warm-up included: no last step trimmed to the tokens left,
-    # no step drafted by lookup instead of the drafter
-    trims = getattr(decoder, "trim_last_steps", None)
-    lookup = getattr(decoder, "lookup_ngram", None)
     ar_steps, steps, accepted = [], [], []
+    saved = _switch_off(decoder)
     try:
-        if trims is not None:
-            decoder.trim_last_steps = False
-        if lookup is not None:
-            decoder.lookup_ngram = 0
         for dec in (ar_decoder, decoder):   # warm-up
             dec.generate(prompts[:1], **sampling)
         decoder.phase_timer = phase_clock
@@ -221,10 +227,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
             accepted += [n for r in results for n in r.accepted_lengths]
     finally:
         decoder.phase_timer = previous
-        if trims is not None:
-            decoder.trim_last_steps = trims
-        if lookup is not None:
-            decoder.lookup_ngram = lookup
+        for name, value in saved.items():
+            setattr(decoder, name, value)
         call_clock.detach()
         logits_clock.detach()
         prepare_clock.detach()
