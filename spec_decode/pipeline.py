@@ -215,7 +215,7 @@ class SpecDecoder:
     (``spec_decode.lookup``). Such a step makes no drafter call (the drafter catches up on its tokens
     at the next drafted step), costs one target forward over the drafts, and is verified and
     committed as any chain; it is cut to the shortest request's drafts and, with
-    ``trim_last_steps``, to the tokens left, and is not reported to the depth controller. On the
+    ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it. On the
     shipped fixtures (whose target loops on code) ``lookup_ngram=3`` turns a 5/1/6 chain's 1.9x
     ``ar`` into 2.0-2.1x (README). Batches with sampled requests never take lookup steps, so that a
     request's tokens do not depend on its batch-mates' contexts. ``method="none"`` with
@@ -325,25 +325,24 @@ class SpecDecoder:
         step = 1
         while batch is not None:
             t0 = time.perf_counter()
-            regime = _regime(batch.sampling)
-            chosen = 0 if self.method == "none" else self._pick_depth(regime)
-            depth = self._trimmed(chosen, batch, req)
-            # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
-            # makes this step's time unrepresentative of its depth
-            steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
             lookup = self._lookup_tree(batch, req)
             if lookup is None:
+                regime = _regime(batch.sampling)
+                chosen = 0 if self.method == "none" else self._pick_depth(regime)
+                depth = self._trimmed(chosen, batch, req)
+                # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
+                # makes this step's time unrepresentative of its depth
+                steady = depth == 0 or max(batch.catch_len, default=0) <= self.max_steps + 1
                 batch = self._spec_step(batch, req, plan, step, depth)   # depth 0: a plain step
-            else:   # drafts copied from the requests' contexts: no drafter call this step
+            else:   # drafts copied from the requests' contexts: no drafter call, no depth to choose
                 batch, depth = self._verify_step(batch, req, plan, step, lookup, None), lookup.max_depth
             elapsed = time.perf_counter() - t0
             self.last_stats.step_s.append(elapsed)
             self.last_stats.depths.append(depth)
             self.last_stats.lookup.append(lookup is not None)
-            # a trimmed step ran another depth than the controller chose, at a request's end, and a lookup
-            # step drafted nothing: neither is recorded
-            if (self.depth_controller is not None and req.last_emitted is not None and depth == chosen
-                    and lookup is None):
+            # the controller hears of the steps it chose; a trimmed one ran another depth (a request's end)
+            if (lookup is None and self.depth_controller is not None and req.last_emitted is not None
+                    and depth == chosen):
                 self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results

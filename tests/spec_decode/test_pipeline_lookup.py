@@ -120,15 +120,18 @@ def test_batches_with_sampled_requests_never_take_lookup_steps(models, temperatu
     assert [r.token_ids for r in with_lookup] == [r.token_ids for r in plain]
 
 
-def test_lookup_steps_are_not_reported_to_the_depth_controller(models):
+def test_the_depth_controller_is_neither_asked_nor_told_of_lookup_steps(models):
     dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
                       num_draft_tokens=5, lookup_ngram=1)
     ScriptedLookup(dec, [True, False, False])
     recorded = []   # the lookup flag of each recorded step (record runs after the step's stats)
-    record = dec.depth_controller.record
+    record, choose = dec.depth_controller.record, dec.depth_controller.choose
     dec.depth_controller.record = lambda *a: recorded.append(dec.last_stats.lookup[-1]) or record(*a)
+    asked = []   # choose's side effects (its step count, probe schedule and retime) belong to drafted steps
+    dec.depth_controller.choose = lambda regime: asked.append(regime) or choose(regime)
     dec.generate(PROMPTS, max_new_tokens=MAX_NEW)
     assert any(dec.last_stats.lookup) and recorded and not any(recorded)
+    assert len(asked) == dec.last_stats.lookup.count(False)
 
 
 def test_abort_stops_only_the_corrupted_request_at_a_lookup_step(models, ar):
