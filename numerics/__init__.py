@@ -7,6 +7,8 @@ The bottom layer of safespec; it imports nothing else of ours. triton is optiona
 and only imported when the Triton backend of ``nan_counts_per_request`` runs.
 """
 
+__version__ = "1.0.0"
+
 from .counts import NonfiniteCounts, nan_counts_per_request, nonfinite_counts_per_request
 from .policy import NAN_POLICY_ENV, NanLogitsError, NanPolicy, raise_if_nan_logits
 from .sanitize import SANITIZE_MAX, dead_row_mask, nonfinite_row_mask, sanitize_bound, sanitize_nan_logits

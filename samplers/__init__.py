@@ -37,6 +37,8 @@ Renamed for one release (they warn with ``DeprecationWarning`` when accessed):
 results of ``greedy_verify`` and ``chain_speculative_sampling``.
 """
 
+__version__ = "1.0.0"
+
 from ._nan import clean_probs
 from .draws import row_uniform, sample_without_replacement
 from .output import SamplerOutput

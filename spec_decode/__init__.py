@@ -4,6 +4,9 @@ The top layer of safespec; uses ``samplers`` and ``numerics``. Public names load
 ``import spec_decode`` stays cheap: the pytest plugin (``spec_decode.pytest_plugin``) is imported
 by every pytest run in an environment where safespec is installed, and must not import torch.
 """
+
+__version__ = "1.0.0"
+
 import importlib
 
 _EXPORTS = {
