@@ -39,7 +39,8 @@ def row_masks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def prepare_logits(
-    logits: torch.Tensor, nan_policy: NanPolicy | str | None, *, dtype: torch.dtype | None = torch.float32
+    logits: torch.Tensor, nan_policy: NanPolicy | str | None, *, dtype: torch.dtype | None = torch.float32,
+    report: bool = False,
 ) -> Prepared:
     """A sanitized working copy of ``logits``, with its non-finite and dead row masks.
 
@@ -48,16 +49,17 @@ def prepare_logits(
         None), nonfinite [B] bool (any NaN/Inf in batch row b), dead [B] bool (some
         position of batch row b has no finite value).
 
-    Never mutates ``logits``. Policies: ``off`` -> nothing is checked or sanitized (the
-    caller did it): no pass over the logits, both masks are None, and the copy is skipped
-    when no dtype change is needed; ``sanitize``/``abort``/``guard`` -> sanitize the copy
+    Never mutates ``logits``. Policies: ``off`` -> nothing is sanitized (the caller did it)
+    and the copy is skipped when no dtype change is needed; the masks are computed only when
+    ``report`` (the caller asked for them: ``return_nonfinite=True``), else both are None; ``sanitize``/``abort``/``guard`` -> sanitize the copy
     (the caller acts on the reported rows); ``raise`` -> raise NanLogitsError naming the
     batch rows that hold NaN (row index as id; Inf does not raise), then sanitize.
     """
     policy = NanPolicy.resolve(nan_policy)
     target = logits.dtype if dtype is None else dtype
     if policy == NanPolicy.OFF:
-        return Prepared(logits.to(target), None, None)
+        masks = row_masks(logits) if report else (None, None)
+        return Prepared(logits.to(target), *masks)
     nonfinite, dead = row_masks(logits)
     if policy == NanPolicy.RAISE:
         raise_if_nan_rows(logits)

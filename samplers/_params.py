@@ -123,7 +123,8 @@ def _host_value(value: object, name: str) -> float | int:
 
 
 def _tensor_value(value: torch.Tensor, name: str, batch: int, device: torch.device) -> torch.Tensor:
-    """Shape/dtype/device checks of a per-row tensor [B]; values are checked by check_inputs only."""
+    """Shape/dtype/device checks of a per-row tensor [B]. Values are checked here on CPU, and on
+    other devices only by ``check_inputs`` (reading them there is a host sync)."""
     spec = _SPECS[name]
     if value.dim() != 1 or value.shape[0] != batch:
         raise ValueError(f"{name} must be a scalar, a list or a tensor of shape ({batch},), got {tuple(value.shape)}")
@@ -133,7 +134,10 @@ def _tensor_value(value: torch.Tensor, name: str, batch: int, device: torch.devi
         raise ValueError(f"{name} must be an integer tensor, got {value.dtype}")
     if not spec.integer and value.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name} must be a floating tensor, got {value.dtype}")
-    return value.to(torch.int64 if spec.integer else torch.float32)
+    value = value.to(torch.int64 if spec.integer else torch.float32)
+    if value.device.type == "cpu":
+        check_row_param_values(value, name)  # a CPU tensor is read without a device sync
+    return value
 
 
 def _parse_param(value: object, name: str, batch: int, device: torch.device):
@@ -172,7 +176,8 @@ def check_row_param_values(value: torch.Tensor | None, name: str) -> None:
     ok = ~torch.isnan(v) & (v > spec.lo if spec.lo_open else v >= spec.lo) & (v < spec.hi if spec.hi_open else v <= spec.hi)
     bad = (~ok).nonzero().flatten().tolist()  # host sync: check_inputs=True only
     if bad:
-        raise ValueError(f"{name} must be {spec.text}; rows {bad[:8]} are not")
+        raise ValueError(f"{name} must be {spec.text}; rows {bad[:8]} are not "
+                         f"(values {v[bad[:8]].tolist()})")
 
 
 @dataclass(frozen=True)
@@ -187,8 +192,8 @@ class SamplingParams:
       temperature 1.0 (no scaling), top_k 0, top_p 1.0, min_p 0.0;
     * temperature 0 is greedy (one-hot on the first argmax); temperatures must be finite
       (``inf`` would make masked tokens samplable);
-    * host values are range-checked at once, naming the argument and the row; tensors [B]
-      only with ``check_inputs=True`` (one host sync).
+    * host values and CPU tensors are range-checked at once, naming the argument and the
+      rows; tensors on another device only with ``check_inputs=True`` (one host sync).
 
     Shape:
         temperature: float32 [B]. top_k: int64 [B] or None. top_p, min_p: float32 [B] or

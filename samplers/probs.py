@@ -110,13 +110,14 @@ def logits_to_probs(
     NaN: logits are sanitized (``nan_policy`` off/sanitize/abort/guard; ``raise`` raises
     on NaN only, never on Inf) on a copy first, so every row sums to 1 even when the whole
     row was NaN (then it is uniform, or one-hot on id 0 if greedy). Under ``"off"``
-    nothing is checked: ``nonfinite_rows`` and ``dead_rows`` are None.
+    nothing is sanitized; ``nonfinite_rows`` and ``dead_rows`` are still computed when
+    ``return_nonfinite`` asks for them.
     """
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
     params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    prep = prepare_logits(logits, nan_policy)
+    prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     probs = process_logits(prep.work, params)
     if not return_nonfinite:
         return probs
@@ -154,7 +155,7 @@ def sample(
 
     NaN: logits are sanitized per ``nan_policy`` (``raise``: NaN only); an all-NaN row
     gives a valid id (never out of range) and is reported in ``nonfinite_rows`` and
-    ``dead_rows`` (None under ``"off"``, which checks nothing).
+    ``dead_rows`` (computed under ``"off"`` too when ``return_nonfinite`` asks for them).
 
     Examples
     --------
@@ -171,7 +172,7 @@ def sample(
     check_vocab(vocab, "logits")
     check_generator(generator, logits.device, batch)
     params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    prep = prepare_logits(logits, nan_policy)
+    prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
     else:

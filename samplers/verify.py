@@ -99,7 +99,7 @@ def greedy_verify(
     check_device(draft_token_ids, "draft_token_ids", target_logits.device)
     if check_inputs:
         check_ids_in_range(draft_token_ids, "draft_token_ids", vocab)
-    prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits))
+    prep = prepare_logits(target_logits, nan_policy, dtype=argmax_dtype(target_logits), report=return_nonfinite)
     best, num = greedy_accept(draft_token_ids, prep.work)
     # The accepted drafts equal the argmax at their positions, and the token after them is the argmax
     # there: the row is the argmax up to position num, then -1 (two ops, not _emit's gather and scatter).
@@ -189,7 +189,7 @@ def chain_speculative_sampling(
     draft = draft_token_ids.long()
     valid = (draft >= 0) & (draft < vocab)  # [B, K]
     safe = draft.clamp(0, vocab - 1)
-    checked = NanPolicy.resolve(nan_policy) != NanPolicy.OFF
+    checked = return_nonfinite or NanPolicy.resolve(nan_policy) != NanPolicy.OFF
     nonfinite = bad.any(1)
     dead = dead_row_mask(target_probs).any(1) if checked else None
     if draft_probs is None:

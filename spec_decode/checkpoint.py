@@ -29,6 +29,7 @@ SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 PT_NAME = "pytorch_model.bin"
 PT_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 class CheckpointError(ValueError):
@@ -47,16 +48,51 @@ def _read_json_object(file: str, what: str) -> dict:
     return data
 
 
+def check_local_dir(path: str | os.PathLike) -> str:
+    """``path`` as a string; FileNotFoundError naming it, and saying that checkpoints load from local
+    directories only, when it is not a directory on this machine (a Hub id such as ``org/model``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory not found: {path!r}. safespec loads checkpoints from local "
+                                "directories only (nothing is downloaded): download the checkpoint first and "
+                                "pass its directory")
+    return path
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """Read ``config.json`` from checkpoint directory ``path``.
 
-    Raises FileNotFoundError naming the missing file; CheckpointError (a ValueError) naming the file
-    when it is not a JSON object.
+    Raises FileNotFoundError naming the missing directory or file; CheckpointError (a ValueError)
+    naming the file when it is not a JSON object.
     """
-    cfg_path = os.path.join(os.fspath(path), CONFIG_NAME)
+    cfg_path = os.path.join(check_local_dir(path), CONFIG_NAME)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"checkpoint config not found: {cfg_path}")
     return _read_json_object(cfg_path, "checkpoint config")
+
+
+def eos_ids(value, where: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` value (null, an int or a list of ints) as a tuple; CheckpointError naming
+    ``where`` otherwise."""
+    items = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in items):
+        raise CheckpointError(f"{where}: eos_token_id must be null, an id or a list of ids, got {value!r}")
+    return tuple(items)
+
+
+def read_eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """The EOS ids of checkpoint directory ``path``: ``generation_config.json``'s ``eos_token_id`` when
+    that file sets it (as HF ``generate`` reads it), else ``config.json``'s; () when neither does."""
+    path = check_local_dir(path)
+    for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            data = _read_json_object(file, "checkpoint config")
+            if data.get("eos_token_id") is not None:
+                return eos_ids(data["eos_token_id"], file)
+    return ()
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:
@@ -98,9 +134,7 @@ def load_state_dict(path: str | os.PathLike, *, device: torch.device | str | Non
     Raises FileNotFoundError naming ``path`` (or the missing shard) when no weights are there, and
     CheckpointError (a ValueError) naming the file that is unreadable (module docstring).
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    path = check_local_dir(path)
     fmt, files = _weight_files(path)
     map_location = torch.device(device) if device is not None else torch.device("cpu")
     state: dict[str, torch.Tensor] = {}
@@ -113,8 +147,7 @@ def load_state_dict(path: str | os.PathLike, *, device: torch.device | str | Non
 
 def _load_safetensors(file: str) -> dict[str, torch.Tensor]:
     """Every tensor of one safetensors file, on CPU; CheckpointError naming a truncated, empty or corrupt file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file  # optional dependency; imported on use
+    SafetensorError, load_file = _safetensors("SafetensorError"), _safetensors("load_file")
 
     try:
         # safetensors cannot load straight onto "meta" etc.; cpu then .to() keeps it simple
@@ -148,13 +181,11 @@ def read_key_names(path: str | os.PathLike) -> set[str]:
     Raises as ``load_state_dict`` does (a truncated safetensors file fails here already: its header
     must cover the whole file).
     """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    path = check_local_dir(path)
     fmt, files = _weight_files(path)
     if fmt == "pt":
         return set(load_state_dict(path).keys())
-    from safetensors import SafetensorError, safe_open
+    SafetensorError, safe_open = _safetensors("SafetensorError"), _safetensors("safe_open")
 
     names: set[str] = set()
     for file in files:
@@ -172,7 +203,7 @@ def save_state_dict(state: Mapping[str, torch.Tensor], path: str | os.PathLike, 
 
     Tensors are made contiguous and moved to CPU; tied (shared-storage) tensors must be dropped by the caller.
     """
-    from safetensors.torch import save_file
+    save_file = _safetensors("save_file")
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
@@ -181,3 +212,14 @@ def save_state_dict(state: Mapping[str, torch.Tensor], path: str | os.PathLike, 
     if config is not None:
         with open(os.path.join(path, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _safetensors(name: str):
+    """``name`` from safetensors (an optional dependency, imported on use); ImportError naming the extra."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise ImportError('reading and writing checkpoints needs the safetensors package: pip install '
+                          '"safespec[models]" (or pip install safetensors)') from None
+    return getattr(safetensors.torch, name, None) or getattr(safetensors, name)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spec_decode import cpu_gemm
-from spec_decode.checkpoint import load_state_dict, read_config, save_state_dict
+from spec_decode.checkpoint import eos_ids, load_state_dict, read_config, read_eos_token_ids, save_state_dict
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # old HF checkpoints saved this buffer
@@ -1035,6 +1035,8 @@ class Transformer(RopeFrequencies, nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # the ids generate stops at; from_pretrained reads generation_config.json first
+        self.eos_token_ids: tuple[int, ...] = eos_ids(config.extra.get("eos_token_id"), "config")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -1139,10 +1141,14 @@ class Transformer(RopeFrequencies, nn.Module):
         ``exact_nan``: see ``Attention``; None = on for float16 only.
         Raises FileNotFoundError naming a missing file, ValueError naming missing/unexpected/misshaped keys.
         """
+        from spec_decode.dtypes import resolve_dtype
+
+        dtype = resolve_dtype(dtype)
         config = ModelConfig.from_pretrained(path)
         state = load_state_dict(path)
         model = cls.from_state_dict(config, hf_to_local_keys(state), dtype=dtype, device=device,
                                     source=os.fspath(path))
+        model.eos_token_ids = read_eos_token_ids(path)
         set_exact_nan(model, exact_nan, dtype)
         return model
 

@@ -45,6 +45,7 @@ import torch
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
 from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_accept,
                       greedy_tree_verify, logits_to_probs, sample, tree_verify)
+from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature, draft_tree
 from spec_decode.faults import FaultPlan
 from spec_decode.lookup import ContextLookup, check_lookup_args
@@ -233,10 +234,11 @@ class SpecDecoder:
     """
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
-                 num_steps: int | str = 5, topk: int = 4, num_draft_tokens: int = 8, nan_policy=None,
-                 draft_sampling: str = "auto", compile: bool = False, tree_score_temperature: float = 1.0,
-                 lookup_ngram: int = 0, lookup_tokens: int = 8):
+                 num_steps: int | str | None = None, topk: int | None = None, num_draft_tokens: int | None = None,
+                 nan_policy=None, draft_sampling: str = "auto", compile: bool = False,
+                 tree_score_temperature: float = 1.0, lookup_ngram: int = 0, lookup_tokens: int = 8):
         _check_method(method, drafter)
+        num_steps, topk, num_draft_tokens = default_tree_shape(target.device, num_steps, topk, num_draft_tokens)
         self.auto_depth = num_steps == "auto"
         max_steps = _auto_max_steps(num_draft_tokens) if self.auto_depth else num_steps
         _check_tree_shape(max_steps, topk, num_draft_tokens, auto=self.auto_depth)
@@ -266,19 +268,25 @@ class SpecDecoder:
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, *, method: str = "eagle",
-                        dtype: torch.dtype = torch.bfloat16, device=None, num_steps: int | str = 5, topk: int = 4,
-                        num_draft_tokens: int = 8, nan_policy=None, draft_sampling: str = "auto",
-                        compile: bool = False, tree_score_temperature: float = 1.0, lookup_ngram: int = 0,
-                        lookup_tokens: int = 8) -> "SpecDecoder":
+                        dtype: torch.dtype | str = torch.bfloat16, device=None, num_steps: int | str | None = None,
+                        topk: int | None = None, num_draft_tokens: int | None = None, nan_policy=None,
+                        draft_sampling: str = "auto", compile: bool = False, tree_score_temperature: float = 1.0,
+                        lookup_ngram: int = 0, lookup_tokens: int = 8) -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
-        ``dtype`` is the verification (and drafting) dtype; ``nan_policy`` falls back to the env
-        var ``SAFESPEC_NAN_POLICY``, then ``"guard"``. The drafter's layout must match ``method``.
+        Both are local checkpoint directories. ``dtype`` is the verification (and drafting) dtype:
+        a torch dtype or a name (``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``/``"half"``,
+        ``"float32"``/``"fp32"``/``"float"``). ``device``: None is CUDA when available, else the
+        CPU; or a device or its name (``"cpu"``, ``"cuda:1"``). ``num_steps``, ``topk`` and
+        ``num_draft_tokens`` left None take the device's default shape (``default_tree_shape``).
+        ``nan_policy`` falls back to the env var ``SAFESPEC_NAN_POLICY``, then ``"guard"``. The
+        drafter's layout must match ``method``.
         """
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if method != "none" and draft_path is None:
             raise ValueError(f"method={method!r} needs draft_path")
+        dtype, device = resolve_dtype(dtype), resolve_device(device)
         target = Transformer.from_pretrained(target_path, dtype=dtype, device=device)
         drafter = None
         if method != "none":
@@ -289,19 +297,29 @@ class SpecDecoder:
                    compile=compile, tree_score_temperature=tree_score_temperature, lookup_ngram=lookup_ngram,
                    lookup_tokens=lookup_tokens)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids ``generate`` stops at unless ``ignore_eos``: the target checkpoint's EOS ids."""
+        return tuple(getattr(self.target, "eos_token_ids", ()))
+
     # ------------------------------------------------------------------ public entry point
     @torch.inference_mode()
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, max_new_tokens, temperature=0.0,
-                 top_k=None, top_p=None, seed=None, stop_token_ids=None, faults=(),
-                 request_ids=None) -> list[GenerationResult]:
+                 top_k=None, top_p=None, min_p=None, seed=None, stop_token_ids=None, ignore_eos: bool = False,
+                 faults=(), request_ids=None) -> list[GenerationResult]:
         """Generate for a batch of prompts; every per-request argument is a scalar or a list.
 
-        ``temperature`` 0 is greedy (None: 1.0, no scaling). ``stop_token_ids``: an id, a list of ids
-        (shared) or a list of such lists (per request); a stop token is kept in the output.
+        ``temperature`` 0 is greedy (None: 1.0, no scaling); ``top_k``, ``top_p`` and ``min_p`` as
+        in ``samplers`` (None: off). A request stops at the target checkpoint's EOS ids
+        (``generation_config.json``, else ``config.json``: ``target.eos_token_ids``) unless
+        ``ignore_eos``, and at its ``stop_token_ids``: an id, a list of ids (shared) or a list of
+        such lists (per request), each in [0, vocab); a stop token is kept in the output.
         ``seed``: None (torch's default generator, shared by the batch), an int (request ``i`` uses
         ``seed + i``), a list of ints (one per request) or a ``torch.Generator`` (it draws one seed
-        per request). With a seed, request ``i``'s tokens depend only on its own seed, prompt and
-        parameters, never on the other requests in the batch. ``faults`` is a sequence of
+        per request); seeds are ints in [0, 2**63). With a seed, request ``i``'s tokens depend only
+        on its own seed, prompt and parameters, never on the other requests in the batch nor on
+        timing (under ``num_steps="auto"``, batches that hold sampled requests run the fixed depth
+        ``max_steps``: the controller adapts only all-greedy batches). ``faults`` is a sequence of
         ``NanFault`` (or None). ``request_ids``: unique ids, one per prompt (default "0", "1", ...).
 
         NaN policy (``self.nan_policy``): ``guard`` (default) sanitizes rows with some NaN/Inf and
@@ -312,8 +330,12 @@ class SpecDecoder:
         their KV slots; ``off`` does nothing. Only NaN (and, under ``guard``, dead rows) stop a request:
         Inf is sanitized.
         """
-        req = _Requests.build(prompt_token_ids, self.target.config, max_new_tokens, temperature,
-                              top_k, top_p, stop_token_ids, request_ids, self.target.device)
+        if not isinstance(ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+        eos = () if ignore_eos else self.eos_token_ids
+        req = _Requests.build(prompt_token_ids, self.target.config, max_new_tokens,
+                              dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+                              stop_token_ids, eos, request_ids, self.target.device)
         plan = FaultPlan(() if faults is None else faults, len(req.prompts))
         generators = _request_generators(seed, len(req.prompts), self.target.device)
         self.last_stats = StepStats()
@@ -342,7 +364,7 @@ class SpecDecoder:
             self.last_stats.lookup.append(lookup is not None)
             # the controller hears of the steps it chose; a trimmed one ran another depth (a request's end)
             if (lookup is None and self.depth_controller is not None and req.last_emitted is not None
-                    and depth == chosen):
+                    and depth == chosen and regime == "greedy"):
                 self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results
@@ -350,7 +372,7 @@ class SpecDecoder:
     # ------------------------------------------------------------------ steps
     def _max_len(self, req) -> int:
         extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk,
-                    self.lookup_tokens + 1 if self.lookup_ngram else 0) + 2
+                    _lookup_budget(self.lookup_tokens, req) + 1 if self.lookup_ngram else 0) + 2
         return max(len(p) for p in req.prompts) + max(req.max_new) + extra
 
     def _trimmed(self, depth: int, batch, req) -> int:
@@ -373,7 +395,7 @@ class SpecDecoder:
         """
         if not self.lookup_ngram or not batch.sampling.all_greedy:
             return None
-        budget = self.lookup_tokens
+        budget = _lookup_budget(self.lookup_tokens, req)
         if self.trim_last_steps:
             budget = min(budget, _tokens_left(batch, req) - 1)
         drafts = []
@@ -388,8 +410,13 @@ class SpecDecoder:
         return chain_tree(torch.cat([batch.root[:, None], tokens], 1))
 
     def _pick_depth(self, regime: str) -> int:
+        """The configured depth; under ``num_steps="auto"`` the controller's choice for greedy batches,
+        and ``max_steps`` for batches with sampled requests: their draws depend on the depth, so a
+        depth that followed wall-clock time would make a seed's tokens depend on timing."""
         if self.depth_controller is None:
             return self.num_steps
+        if regime != "greedy":
+            return self.max_steps
         return self.depth_controller.choose(regime)
 
     def _prefill(self, req, plan, generators):
@@ -978,7 +1005,7 @@ class _Requests:
     lookups: list[ContextLookup] | None = None   # each request's context, with lookup_ngram
 
     @classmethod
-    def build(cls, prompts, config, max_new_tokens, temperature, top_k, top_p, stop_token_ids,
+    def build(cls, prompts, config, max_new_tokens, sampling_args: dict, stop_token_ids, eos_token_ids,
               request_ids, device) -> "_Requests":
         prompts = _check_prompts(prompts, config.vocab_size)
         B = len(prompts)
@@ -988,11 +1015,15 @@ class _Requests:
             if len(p) + m > limit:
                 raise ValueError(f"prompt_token_ids[{i}] has {len(p)} tokens; with max_new_tokens={m} that "
                                  f"exceeds the target's max_position_embeddings ({limit})")
-        # Names the argument and the request on a bad value.
-        sampling = SamplingParams.build(B, temperature, top_k, top_p, device=device)
+        # Names the argument and the request on a bad value. Tensors on another device than the CPU
+        # are range-checked too: one host sync, at set-up only.
+        given_tensors = any(isinstance(v, torch.Tensor) for v in sampling_args.values())
+        sampling = SamplingParams.build(B, **sampling_args, device=device, check_inputs=given_tensors)
+        temperature = sampling_args["temperature"]
         all_sampled = all(t is None or (isinstance(t, (int, float)) and t > 0)
                           for t in _per_request("temperature", temperature, B))
-        return cls(prompts, max_new, sampling, all_sampled, _stop_ids(stop_token_ids, B),
+        stops = [ids | frozenset(eos_token_ids) for ids in _stop_ids(stop_token_ids, B, config.vocab_size)]
+        return cls(prompts, max_new, sampling, all_sampled, stops,
                    [GenerationResult(r) for r in _request_ids(request_ids, B)])
 
 
@@ -1059,6 +1090,10 @@ def _compile_in_place(module) -> None:
         module.compile(dynamic=True)
 
 
+SEED_LIMIT = 2**63
+"""Seeds are ints in [0, SEED_LIMIT): what a torch generator and an int64 tensor both hold."""
+
+
 def _request_generators(seed, B, device) -> list[torch.Generator] | None:
     """One generator per request (None: torch's default generator, shared by the batch)."""
     if seed is None:
@@ -1074,31 +1109,35 @@ def _request_generators(seed, B, device) -> list[torch.Generator] | None:
         if isinstance(seed, Integral) and not isinstance(seed, bool):
             seeds = [seed + i for i in range(B)]
     for i, s in enumerate(seeds):
-        if isinstance(s, bool) or not isinstance(s, Integral) or s < 0:
-            raise ValueError(f"seed must be None, an int >= 0, a list of them or a torch.Generator; "
-                             f"got {s!r} for request {i}")
+        if isinstance(s, bool) or not isinstance(s, Integral) or not 0 <= s < SEED_LIMIT:
+            shown = f"{s!r}" if not isinstance(seed, Integral) or isinstance(seed, bool) else f"{seed!r} + {i}"
+            raise ValueError(f"seed must be None, an int in [0, 2**63), a list of them or a torch.Generator; "
+                             f"request {i} gets {shown}")
     return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
 
 
-def _stop_ids(stop_token_ids, B) -> list[frozenset]:
+def _stop_ids(stop_token_ids, B, vocab_size: int) -> list[frozenset]:
     if stop_token_ids is None:
         return [frozenset()] * B
     if isinstance(stop_token_ids, Integral) and not isinstance(stop_token_ids, bool):
-        return [frozenset([int(stop_token_ids)])] * B
+        return [_id_set([stop_token_ids], vocab_size)] * B
     if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)):
         raise ValueError(f"stop_token_ids must be an id, a list of ids or a list of lists, got {stop_token_ids!r}")
     items = list(stop_token_ids)
     if items and all(isinstance(s, (list, tuple, set, frozenset)) for s in items):
         if len(items) != B:
             raise ValueError(f"stop_token_ids has {len(items)} lists for {B} prompts")
-        return [_id_set(s) for s in items]
-    return [_id_set(items)] * B
+        return [_id_set(s, vocab_size) for s in items]
+    return [_id_set(items, vocab_size)] * B
 
 
-def _id_set(ids) -> frozenset:
+def _id_set(ids, vocab_size: int) -> frozenset:
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
     if bad:
         raise ValueError(f"stop_token_ids must hold ints, got {bad[:5]}")
+    out = [t for t in ids if not 0 <= t < vocab_size]
+    if out:
+        raise ValueError(f"stop_token_ids must be ids in [0, {vocab_size}) (the target's vocabulary), got {out[:5]}")
     return frozenset(int(t) for t in ids)
 
 
@@ -1125,9 +1164,37 @@ def _check_drafter(target, drafter, method, topk):
         raise ValueError(f"topk ({topk}) exceeds the drafter's vocabulary ({vocab})")
 
 
+def _lookup_budget(lookup_tokens: int, req) -> int:
+    """Lookup drafts a step may verify: no more than the longest request can emit (``max_new_tokens``)."""
+    return min(lookup_tokens, max(req.max_new))
+
+
 def _tokens_left(batch, req) -> int:
     """The most tokens any active request of the batch may still emit (``max_new_tokens``)."""
     return max(req.max_new[i] - len(req.results[i].token_ids) for i in batch.active)
+
+
+DEFAULT_TREE_SHAPES = {"cpu": (5, 1, 6), "cuda": (5, 4, 8)}
+"""The device's default (num_steps, topk, num_draft_tokens). CPU: the chain ``spec-bench tune``
+picks on the shipped models; tiny models on CPU pay per drafter call and per verified row, so a
+chain beats a wide tree. CUDA: EAGLE-2's 5/4/8 tree, whose extra rows the GPU verifies for about
+the cost of one. Other devices take the CUDA shape."""
+
+
+def default_tree_shape(device, num_steps=None, topk=None, num_draft_tokens=None) -> tuple:
+    """``(num_steps, topk, num_draft_tokens)`` with each None replaced by ``device``'s default.
+
+    A None ``num_draft_tokens`` becomes the default's, capped at what the tree can hold, so that
+    ``num_steps=3`` alone is a valid 3-step chain on CPU.
+    """
+    steps, k, nodes = DEFAULT_TREE_SHAPES.get(torch.device(device).type, DEFAULT_TREE_SHAPES["cuda"])
+    num_steps = steps if num_steps is None else num_steps
+    topk = k if topk is None else topk
+    if num_draft_tokens is None:
+        num_draft_tokens = nodes
+        if isinstance(num_steps, int) and not isinstance(num_steps, bool) and isinstance(topk, int) and topk >= 1:
+            num_draft_tokens = max(2, min(nodes, _tree_capacity(num_steps, topk)))
+    return num_steps, topk, num_draft_tokens
 
 
 def _tree_capacity(num_steps: int, topk: int) -> int:
