@@ -40,6 +40,7 @@ results of ``greedy_verify`` and ``chain_speculative_sampling``.
 __version__ = "1.0.0"
 
 from ._nan import clean_probs
+from .coupled import coupled_noise, coupled_sample, coupled_scores
 from .draws import row_uniform, sample_without_replacement
 from .output import SamplerOutput
 from ._params import SamplingParams
@@ -54,6 +55,9 @@ __all__ = [
     "TreeVerifyResult",
     "chain_speculative_sampling",
     "clean_probs",
+    "coupled_noise",
+    "coupled_sample",
+    "coupled_scores",
     "greedy_tree_verify",
     "greedy_accept",
     "greedy_verify",
