@@ -202,7 +202,8 @@ def chain_speculative_sampling(
     use_fi = backend != "torch" and device.type == "cuda" and not per_row_generators
     fi = _flashinfer() if use_fi else None
     if backend == "flashinfer" and fi is None:
-        raise ValueError("backend='flashinfer' needs CUDA tensors and an importable flashinfer")
+        raise ValueError("backend='flashinfer' needs CUDA tensors and an importable flashinfer "
+                         '(pip install "safespec[flashinfer]")')
     if fi is not None:
         out, passed, num = _chain_flashinfer(fi, p, q, safe, generator)
     else:

@@ -246,6 +246,10 @@ class _DraftHead(RopeFrequencies, nn.Module):
         """
         config = ModelConfig.from_pretrained(path)
         state = cls._complete_state(_strip_prefix(load_state_dict(path)), config)
+        try:
+            cls._check_state(state, config, target)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {os.fspath(path)}: {err}") from None
         with torch.device("meta"):
             try:
                 head = cls(config, target, **cls._init_kwargs_from_keys(set(state), config))
@@ -265,6 +269,10 @@ class _DraftHead(RopeFrequencies, nn.Module):
     @classmethod
     def _complete_state(cls, state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
         return state
+
+    @classmethod
+    def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
+        """Value checks of a layout's own tensors, before the model is built; ValueError naming the key."""
 
 
 class EagleHead(_DraftHead):
@@ -370,17 +378,15 @@ class Eagle3Head(_DraftHead):
                              f"embed_tokens.weight [V, {H}]: the target's embedding is {Ht} wide")
         self.config = config
         self.target_hidden_size = Ht
-        Vd = int(config.extra.get("draft_vocab_size") or V)
-        if not 1 <= Vd <= V:
-            raise ValueError(f"draft_vocab_size ({Vd}) must be in [1, vocab_size={V}]")
+        Vd = _draft_vocab_size(config)
         L = target.config.num_hidden_layers
-        ids = (config.extra.get("eagle_config") or {}).get(AUX_IDS_KEY)
+        ids = _eagle_config(config).get(AUX_IDS_KEY)
         # joined in ascending layer order, whatever the config's order (SGLang, the reference code)
         self.aux_layers: tuple[int, ...] = _check_aux_layer_ids(
             ids if ids is not None else default_eagle3_aux_layers(L), L, from_config=ids is not None)
         # keep the effective values in the config so that save_pretrained writes them (ids in the config's order)
         config.extra["draft_vocab_size"] = Vd
-        config.extra["eagle_config"] = {**(config.extra.get("eagle_config") or {}),
+        config.extra["eagle_config"] = {**_eagle_config(config),
                                         AUX_IDS_KEY: list(ids if ids is not None else self.aux_layers)}
         self.fc = Linear(3 * Ht, H, bias=_fc_bias(config, fc_bias, default=False))
         self.midlayer = Eagle3Layer(config)
@@ -400,9 +406,33 @@ class Eagle3Head(_DraftHead):
     def _complete_state(cls, state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
         # checkpoints whose draft vocabulary is the full vocabulary may omit the (identity) maps
         V = config.vocab_size
-        if int(config.extra.get("draft_vocab_size") or V) == V and "d2t" not in state and "t2d" not in state:
+        if _draft_vocab_size(config) == V and "d2t" not in state and "t2d" not in state:
             state = {**state, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)}
         return state
+
+    @classmethod
+    def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
+        """``d2t`` maps the Vd draft ids to distinct target ids inside the target's vocabulary
+        (``d + d2t[d]``): two draft ids on one target id would drop probability mass, an id
+        outside it would fail deep inside a forward."""
+        Vd, V = _draft_vocab_size(config), target.config.vocab_size
+        d2t = state.get("d2t")
+        if d2t is None:
+            return   # assign_state names the missing key
+        if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+            raise ValueError(f"d2t must be an integer tensor, got {d2t.dtype}")
+        if tuple(d2t.shape) != (Vd,):
+            raise ValueError(f"d2t must have draft_vocab_size ({Vd}) entries, got shape {tuple(d2t.shape)}")
+        ids = torch.arange(Vd, dtype=torch.long) + d2t.long().cpu()   # load time: reading it is fine
+        outside = ((ids < 0) | (ids >= V)).nonzero().flatten()
+        if outside.numel():
+            d = int(outside[0])
+            raise ValueError(f"d2t maps draft id {d} to target id {int(ids[d])}, outside the target's vocabulary "
+                             f"[0, {V}) ({outside.numel()} such ids)")
+        if torch.unique(ids).numel() != Vd:
+            dup = ids.bincount(minlength=V).argmax()
+            raise ValueError(f"d2t maps several draft ids to target id {int(dup)}: draft ids must map to distinct "
+                             "target ids")
 
     def set_draft_vocab(self, draft_token_ids: Tensor) -> None:
         """Set ``d2t``/``t2d`` from the target ids of the draft vocabulary (increasing, length Vd)."""
@@ -485,6 +515,27 @@ def drafter_layout(path: str | os.PathLike) -> str:
         return "draft_model"
     raise ValueError(f"cannot detect the drafter layout of {os.fspath(path)}: no midlayer.* (EAGLE-3), fc.weight "
                      f"(EAGLE-1/2) or embed_tokens.weight + layers.* (draft LM) among its keys")
+
+
+def _draft_vocab_size(config: ModelConfig) -> int:
+    """config.json's ``draft_vocab_size`` (default: the vocabulary); ValueError naming the key."""
+    V = config.vocab_size
+    Vd = config.extra.get("draft_vocab_size", V)
+    if Vd is None:
+        return V
+    if isinstance(Vd, bool) or not isinstance(Vd, int) or not 1 <= Vd <= V:
+        raise ValueError(f"config key draft_vocab_size must be an int in [1, vocab_size={V}], got {Vd!r}")
+    return Vd
+
+
+def _eagle_config(config: ModelConfig) -> dict:
+    """config.json's ``eagle_config`` object ({} when absent); ValueError naming the key otherwise."""
+    value = config.extra.get("eagle_config")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config key eagle_config must be an object (a dict), got {type(value).__name__}")
+    return value
 
 
 def load_drafter(path: str | os.PathLike, target: Transformer, *, method: str | None = None,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import torch
 
@@ -52,16 +53,21 @@ class NanFault:
     columns: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.site not in FAULT_SITES:
+        if not isinstance(self.site, str) or self.site not in FAULT_SITES:
             raise ValueError(f"NanFault.site must be one of {FAULT_SITES}, got {self.site!r}")
-        if not isinstance(self.request, int) or self.request < 0:
-            raise ValueError(f"NanFault.request must be a request index >= 0, got {self.request!r}")
-        if not isinstance(self.step, int) or self.step < 0:
+        if not _is_int(self.request) or self.request < 0:
+            raise ValueError(f"NanFault.request must be a request index (an int >= 0), got {self.request!r}")
+        if not _is_int(self.step) or self.step < 0:
             raise ValueError(f"NanFault.step must be an int >= 0, got {self.step!r}")
-        if math.isfinite(self.value):
-            raise ValueError(f"NanFault.value must be NaN or +-inf, got {self.value!r}")
+        if isinstance(self.value, bool) or not isinstance(self.value, Real) or math.isfinite(self.value):
+            raise ValueError(f"NanFault.value must be NaN or +-inf (a float), got {self.value!r}")
+        object.__setattr__(self, "value", float(self.value))
         if self.columns is not None:
             object.__setattr__(self, "columns", _check_columns(self.columns, self.site))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def _check_columns(columns, site: str) -> tuple[int, ...]:
@@ -74,7 +80,7 @@ def _check_columns(columns, site: str) -> tuple[int, ...]:
     if not cols:
         raise ValueError("NanFault.columns must not be empty (None means the whole row)")
     for c in cols:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+        if not _is_int(c) or c < 0:
             raise ValueError(f"NanFault.columns must hold int indices >= 0, got {c!r} in {columns!r}")
     return tuple(sorted(set(cols)))
 

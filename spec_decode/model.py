@@ -1208,6 +1208,9 @@ def assign_state(module: nn.Module, state: dict[str, Tensor], *, dtype: torch.dt
         if tuple(v.shape) != tuple(expected[k].shape):
             raise ValueError(f"checkpoint {source}: key {k} has shape {tuple(v.shape)}, the model expects "
                              f"{tuple(expected[k].shape)}")
+        if v.is_floating_point() != expected[k].is_floating_point():
+            kind = "a floating-point" if expected[k].is_floating_point() else "an integer"
+            raise ValueError(f"checkpoint {source}: key {k} has dtype {v.dtype}, the model expects {kind} tensor")
     device = torch.device(device) if device is not None else torch.device("cpu")
     cast = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
     module.load_state_dict(cast, strict=False, assign=True)

@@ -123,7 +123,10 @@ def find_trigger_token_id(tokenizer_path, text: str = DEFAULT_TRIGGER_TEXT) -> i
     """
     import os
 
-    from tokenizers import Tokenizer  # optional dependency; imported on use
+    try:
+        from tokenizers import Tokenizer  # optional dependency; imported on use
+    except ImportError:
+        raise ImportError('reading a tokenizer needs the tokenizers package: pip install "safespec[hf]"') from None
 
     path = os.fspath(tokenizer_path)
     if os.path.isdir(path):

@@ -65,7 +65,7 @@ def test_plus_inf_row_does_not_raise():
 # ----------------------------------------------------------------------------- temperature
 
 
-@pytest.mark.parametrize("temperature", [1e30, 1e6, torch.tensor([1e30, float("inf"), 3e38])])
+@pytest.mark.parametrize("temperature", [1e30, 1e6, torch.tensor([1e30, 1e38, 3e38])])
 @pytest.mark.parametrize("policy", ["sanitize", "off"])
 def test_huge_temperature_never_revives_masked_tokens(temperature, policy):
     logits = _padded((3, V))
@@ -74,6 +74,11 @@ def test_huge_temperature_never_revives_masked_tokens(temperature, policy):
     assert torch.allclose(probs.sum(-1), torch.ones(3))
     ids = sample(logits[:1].expand(3000, V).contiguous(), temperature=1e30, generator=_gen(), nan_policy=policy)
     assert (ids < 5).all()
+
+
+def test_infinite_temperature_tensor_is_rejected():
+    with pytest.raises(ValueError, match=r"temperature.*rows \[1\]"):
+        logits_to_probs(_padded((3, V)), temperature=torch.tensor([1e30, float("inf"), 3e38]))
 
 
 def test_fully_masked_row_stays_uniform():
@@ -228,7 +233,9 @@ def test_sampling_params_build_select_kwargs():
 
 def test_off_policy_checks_nothing_and_reports_none():
     logits = _with_dead((3, V), [0], [1])
-    assert sample(logits, generator=_gen(), nan_policy="off", return_nonfinite=True).dead_rows is None
+    # return_nonfinite asks for the masks: they are computed under "off" too (nothing is sanitized)
+    asked = sample(logits, generator=_gen(), nan_policy="off", return_nonfinite=True)
+    assert asked.dead_rows.tolist() == [True, False, False]
     g = greedy_verify(torch.zeros(3, 1, dtype=torch.long), logits[:, None].expand(3, 2, V).contiguous(), nan_policy="off")
     assert g.nonfinite_rows is None and g.dead_rows is None
     c = chain_speculative_sampling(None, torch.zeros(3, 1, dtype=torch.long), torch.rand(3, 2, V), nan_policy="off")

@@ -313,8 +313,10 @@ def test_mismatched_drafters_are_rejected(models, tmp_path):
 
 
 def test_missing_checkpoint_files(models, tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match="nowhere.*local directories only"):
         SpecDecoder.from_pretrained(tmp_path / "nowhere", method="none")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        SpecDecoder.from_pretrained(tmp_path, method="none")
     with pytest.raises(FileNotFoundError):
         SpecDecoder.from_pretrained(models["tdir"], tmp_path / "no_head", method="eagle")
 
