@@ -17,6 +17,15 @@ Glossary (words as in ``numerics.policy``: NaN, Inf, non-finite, dead row):
         ``LogitsProcessorOutput``; SGLang copies them to the host in the same
         device-to-host copy as the sampled token ids (``GenerationBatchResult.copy_to_cpu``)
         and waits for both with the one ``copy_done`` it waits for anyway.
+    agree: every rank that runs the same batch takes the same decision for each request:
+        the counts are all-reduced with MAX over the ranks that must agree (the sampler's
+        ``tp_sync_group`` and ``cp_sync_group``; at verify, the group ``eagle_sample``
+        broadcasts its accept results over) before anything reads them. On the stream, no
+        host sync; nothing at all when the group has one rank.
+    relay: under pipeline parallelism the last stage samples and every stage finishes
+        requests. The counts travel in the stage-to-stage output dict SGLang sends round
+        the ring (``NanCountsOnDevice.to_pp_tensors`` / ``from_pp_tensors``), and every
+        stage hands them on unchanged, so every stage aborts the same requests.
     abort: the request finishes with ``FINISH_ABORT`` (HTTP 500, err_type
         ``NanLogitsError``, a message naming the rid and the policy) and
         ``skip_radix_cache_insert``, so its KV is freed instead of entering the radix
@@ -31,6 +40,12 @@ Policy (``SAFESPEC_NAN_POLICY`` or ``register(nan_policy=...)``, see ``numerics.
     abort: as guard, but any NaN aborts the request. No host sync added.
     raise: count NaN per request, read the counts on the host (one sync per call),
         raise ``NanLogitsError`` naming the rids. In SGLang that stops the scheduler.
+
+Ranks: at start-up every scheduler rank compares its plugin policy and version with
+every other rank's (one ``all_gather_object`` on the world CPU group); a mismatch fails
+the start naming the ranks and their values. Under ``pp_size > 1`` without SGLang's PP
+output path (``PP_HOOK_TARGETS``), ``guard``/``abort`` fall back to ``sanitize`` with one
+warning naming why: a stage that cannot see the counts could not finish the request.
 
 Draft side: under every policy but ``off``, draft probabilities that reach rejection
 sampling (``verify_input.draft_probs``) are cleaned in place before ``eagle_sample``:
@@ -63,7 +78,15 @@ VERIFY_TARGET = "sglang.srt.speculative.eagle_utils.eagle_sample"
 RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 FINISH_TARGET = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
 ANNOUNCE_TARGET = "sglang.srt.managers.scheduler.configure_scheduler_process"
-HOOK_TARGETS = (SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, VERIFY_TARGET, RESULT_TARGET, FINISH_TARGET, ANNOUNCE_TARGET)
+RANKS_TARGET = "sglang.srt.managers.scheduler.Scheduler.init_model_worker"
+PP_SEND_TARGET = "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin._pp_prepare_tensor_dict"
+PP_RECV_TARGET = "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin._pp_prep_batch_result"
+PP_HOOK_TARGETS = (PP_SEND_TARGET, PP_RECV_TARGET)
+"""Optional: without them the plugin registers, and falls back to sanitize under ``pp_size > 1``."""
+HOOK_TARGETS = (
+    SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, VERIFY_TARGET, RESULT_TARGET, FINISH_TARGET, ANNOUNCE_TARGET, RANKS_TARGET,
+) + PP_HOOK_TARGETS
+PP_REQUIRED_SYMBOLS = ("sglang.srt.sampling.sampling_observer_pp.add_auxiliary_output_to_pp_tensors",)
 
 # Read, not hooked: (symbol, attribute its code must read). The abort path relies on
 # update_finish_state consuming ``to_finish``, release_kv_cache honouring
@@ -94,6 +117,8 @@ ROW_LABEL = "row{}"
 COUNT_ROWS = ("nan", "dead_rows")
 """Rows of the int32 [2, num_reqs] counts tensor that rides the result copy."""
 ABORTING_POLICIES = (NanPolicy.ABORT, NanPolicy.GUARD)
+PP_TENSOR_PREFIX = "safespec_nan_counts."
+"""Name of a site's counts in ``to_pp_tensors`` (SGLang prefixes it with its own output prefix)."""
 
 
 class SGLangPluginError(RuntimeError):
@@ -108,6 +133,8 @@ class PluginState:
     counts_backend: str = "auto"
     warned_partial_nan: bool = False
     announced: bool = False
+    pp_relay_missing: str | None = None  # why the PP hooks could not register, if they could not
+    warned_pp_rows: bool = False
 
 
 @dataclass
@@ -150,6 +177,24 @@ class NanCountsOnDevice:
     def copy_to_host(self, copy_tensor) -> NanCountsOnHost:
         return NanCountsOnHost(self.site, self.rids, copy_tensor(self.counts))
 
+    def to_pp_tensors(self) -> dict:
+        """SGLang ``PipelineParallelAuxiliaryOutput``: the counts, named by site, for the PP ring."""
+        return {PP_TENSOR_PREFIX + self.site: self.counts}
+
+    @classmethod
+    def from_pp_tensors(cls, tensors, rids) -> list:
+        """The inverse of ``to_pp_tensors`` on a receiving stage: one output per site found.
+
+        ``tensors``: a stage's received output dict (keys as SGLang's transport wrote them);
+        ``rids``: the requests of the batch that ran the forward, in row order.
+        """
+        outputs = []
+        for key, counts in tensors.items():
+            _, found, site = key.partition(PP_TENSOR_PREFIX)
+            if found:
+                outputs.append(cls(site, tuple(rids), counts))
+        return outputs
+
 
 @dataclass
 class _ResultInProcess:
@@ -169,15 +214,10 @@ def _resolve(dotted: str):
     return getattr(pkgutil.resolve_name(obj_path), attr)
 
 
-def check_compatibility() -> None:
-    """Raise ``SGLangPluginError`` naming every missing hook target or required symbol.
-
-    Imports the target modules (as ``HookRegistry.apply_hooks`` would) and registers
-    nothing, so a refusal leaves SGLang untouched. A different sglang version only
-    logs a warning: the symbol check is what decides.
-    """
+def _missing(entries) -> list:
+    """Each (dotted, attribute its code must read) of ``entries`` that is absent, described."""
     missing = []
-    for dotted, must_read in [(t, None) for t in HOOK_TARGETS] + list(REQUIRED_SYMBOLS):
+    for dotted, must_read in entries:
         try:
             obj = _resolve(dotted)
         except (ImportError, AttributeError, ValueError) as exc:
@@ -187,6 +227,24 @@ def check_compatibility() -> None:
         code = getattr(inspect.unwrap(obj), "__code__", None)
         if must_read is not None and (code is None or must_read not in code.co_names):
             missing.append(f"{dotted} no longer reads .{must_read}")
+    return missing
+
+
+def pp_relay_missing() -> str | None:
+    """Why the counts cannot ride SGLang's PP output ring, or None when they can."""
+    missing = _missing([(t, None) for t in PP_HOOK_TARGETS + PP_REQUIRED_SYMBOLS])
+    return "; ".join(missing) or None
+
+
+def check_compatibility() -> None:
+    """Raise ``SGLangPluginError`` naming every missing hook target or required symbol.
+
+    Imports the target modules (as ``HookRegistry.apply_hooks`` would) and registers
+    nothing, so a refusal leaves SGLang untouched. A different sglang version only
+    logs a warning: the symbol check is what decides.
+    """
+    required = [(t, None) for t in HOOK_TARGETS if t not in PP_HOOK_TARGETS]
+    missing = _missing(required + list(REQUIRED_SYMBOLS))
     if missing:
         raise SGLangPluginError(
             f"safespec SGLang plugin supports sglang {SUPPORTED_SGLANG_VERSION}; refusing to "
@@ -230,13 +288,59 @@ def mark_aborted(req, message: str, withheld: int = 0) -> None:
             req.finished_len = max(len(req.output_ids) - withheld, 0)
 
 
-def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str):
+def _has_peers(group) -> bool:
+    """Whether ``group`` (a torch ProcessGroup, or None) joins this process with another one."""
+    import torch.distributed as dist
+
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def agree(counts: torch.Tensor, groups) -> torch.Tensor:
+    """Make ``counts`` the element-wise MAX over every rank of each group of ``groups``, in place.
+
+    Shape:
+        counts: int32 [2, num_reqs], the same requests in the same order on every rank.
+
+    A request with NaN on any rank then counts as NaN on all of them, so all finish it in
+    the same step. Groups with one rank are skipped: nothing is issued. On the stream: a
+    device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
+    """
+    import torch.distributed as dist
+
+    for group in groups:
+        if _has_peers(group):
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
+    return counts
+
+
+def sampler_groups(sampler) -> tuple:
+    """The groups whose ranks must agree at the sampler: SGLang's own sampler sync groups."""
+    return (getattr(sampler, "tp_sync_group", None), getattr(sampler, "cp_sync_group", None))
+
+
+def verify_groups() -> tuple:
+    """The group ``eagle_sample`` broadcasts its accept results over (attention-TP under DP attention)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ()  # one process: no peer to agree with (and SGLang publishes no groups)
+    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    group = parallel.attn_tp_group if is_dp_attention_enabled() else parallel.tp_group
+    return (group.device_group,) if group.world_size > 1 else ()
+
+
+def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str,
+                       groups=()):
     """Apply ``state.policy`` to ``logits`` in place; return the device counts to ride the result copy.
 
     Shape:
         logits: [num_rows, V]; cu_num_rows: [len(rids) + 1] on logits.device.
         returns: int32 [2, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
 
+    ``groups``: the ranks that run the same batch and must decide alike (``agree``).
     On NaN: sanitize -> sanitized, warned once (async); raise -> sanitized, then
     ``NanLogitsError`` naming the corrupted rids (one host sync); abort/guard ->
     sanitized, counts returned without a host sync.
@@ -245,11 +349,12 @@ def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: to
         sanitize_nan_logits(logits, f"sglang {site}")
         return None
     counts = nonfinite_counts_per_request(logits, cu_num_rows, sanitize=True, backend=state.counts_backend)
+    stacked = agree(torch.stack((counts.nan, counts.dead_rows)), groups)
     if state.policy is NanPolicy.RAISE:
         # Host sync: raise must know before SGLang commits this step's tokens; one int32 per request.
-        raise_if_nan_logits(dict(zip(rids, counts.nan.tolist())))
+        raise_if_nan_logits(dict(zip(rids, stacked[0].tolist())))
         return None
-    return torch.stack((counts.nan, counts.dead_rows))
+    return stacked
 
 
 def decide_aborts(state: PluginState, host: NanCountsOnHost) -> dict:
@@ -346,6 +451,106 @@ def announce(state: PluginState, server_args) -> None:
         )
 
 
+def _detach_counts(logits_output) -> list:
+    """Take every ``NanCountsOnDevice`` out of ``logits_output``'s auxiliary device output; return them.
+
+    SGLang's PP transport takes one auxiliary output; a composite with another plugin's
+    would not pass it, so the counts travel beside it (``add_counts_to_pp_tensors``).
+    """
+    from sglang.srt.managers.auxiliary_output import CompositeDeviceAuxiliaryOutput, append_auxiliary_output
+
+    current = getattr(logits_output, "auxiliary_device_output", None)
+    if current is None:
+        return []
+    outputs = current.outputs if isinstance(current, CompositeDeviceAuxiliaryOutput) else (current,)
+    ours = [o for o in outputs if isinstance(o, NanCountsOnDevice)]
+    if ours:
+        rest = None
+        for output in outputs:
+            if not isinstance(output, NanCountsOnDevice):
+                rest = append_auxiliary_output(rest, output)
+        logits_output.auxiliary_device_output = rest
+    return ours
+
+
+def add_counts_to_pp_tensors(tensor_dict: dict, outputs) -> None:
+    """Add each of ``outputs`` (``NanCountsOnDevice``) to a PP output dict with SGLang's own transport."""
+    from sglang.srt.sampling.sampling_observer_pp import add_auxiliary_output_to_pp_tensors
+
+    for output in outputs:
+        add_auxiliary_output_to_pp_tensors(tensor_dict, output)
+
+
+def attach_relayed_counts(state: PluginState, result, outputs) -> None:
+    """Give ``result`` (a stage's rebuilt ``GenerationBatchResult``) host copies of the relayed counts.
+
+    The copy is SGLang's own ``_async_d2h`` on the current (copy) stream, before SGLang records
+    the event it waits for ahead of processing this result: no host sync. Counts whose
+    columns do not match the batch's requests cannot name a request; they are dropped with
+    one warning (the logits were sanitized on the last stage).
+    """
+    from sglang.srt.managers import utils as sglang_utils
+    from sglang.srt.managers.auxiliary_output import CompositeHostAuxiliaryOutput
+
+    usable = [o for o in outputs if o.counts.shape[-1] == len(o.rids)]  # shapes are host metadata
+    if len(usable) < len(outputs) and not state.warned_pp_rows:
+        state.warned_pp_rows = True
+        logger.warning("safespec: relayed NaN counts do not match the batch's requests; not acted on (warned once)")
+    if not usable:
+        return
+    result.copy_auxiliary_output_to_cpu()  # SGLang's own outputs first: it skips the copy once a host output is set
+    host = [o.copy_to_host(sglang_utils._async_d2h) for o in usable]
+    existing = result.auxiliary_host_output
+    before = () if existing is None else getattr(existing, "outputs", (existing,))
+    result.auxiliary_host_output = CompositeHostAuxiliaryOutput(tuple(before) + tuple(host))
+
+
+def rank_config(state: PluginState) -> dict:
+    """What every rank must share: the plugin's policy and version, and SGLang's version."""
+    import sglang
+
+    from spec_decode import __version__
+
+    return {"policy": state.policy.value, "safespec": __version__, "sglang": getattr(sglang, "__version__", "unknown")}
+
+
+def check_ranks_agree(config: dict, group) -> None:
+    """Raise ``SGLangPluginError`` naming each rank's value when the ranks of ``group`` differ on ``config``.
+
+    One ``all_gather_object`` on ``group`` (a CPU/gloo group), once at start-up; nothing
+    when ``group`` has one rank.
+    """
+    import torch.distributed as dist
+
+    if not _has_peers(group):
+        return
+    configs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(configs, config, group=group)
+    differing = sorted(key for key in config if len({str(c.get(key)) for c in configs}) > 1)
+    if differing:
+        by_rank = "; ".join(
+            f"rank {rank}: " + ", ".join(f"{key}={c.get(key)}" for key in differing) for rank, c in enumerate(configs)
+        )
+        raise SGLangPluginError(
+            f"safespec SGLang plugin: the ranks disagree on {', '.join(differing)} ({by_rank}); set "
+            "SAFESPEC_NAN_POLICY and install the same safespec and sglang on every node"
+        )
+
+
+def fall_back_without_pp_relay(state: PluginState, pp_size: int) -> None:
+    """Under ``pp_size > 1`` without the PP relay, turn guard/abort into sanitize, with one warning."""
+    if pp_size <= 1 or state.pp_relay_missing is None or state.policy not in ABORTING_POLICIES:
+        return
+    logger.warning(
+        "safespec SGLang plugin: NaN policy '%s' falls back to 'sanitize' under pp_size=%d: the pipeline "
+        "stages cannot all see the NaN counts, so they could not finish the same requests (%s)",
+        state.policy.value,
+        pp_size,
+        state.pp_relay_missing,
+    )
+    state.policy = NanPolicy.SANITIZE
+
+
 def _row_rids(num_rows: int) -> tuple:
     """Return (labels, call): the batch's rids when ModelRunner.sample supplied them."""
     call = _SAMPLE_CALL.get()
@@ -371,7 +576,7 @@ def make_hooks(state: PluginState) -> dict:
             sanitize_nan_logits(logits, "sglang sampler (no request ids)")
             return original_fn(sampler, logits, sampling_info)
         cu_num_rows = torch.arange(num_rows + 1, device=logits.device, dtype=torch.int32)
-        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "sampler")
+        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "sampler", sampler_groups(sampler))
         if counts is not None:
             call.counts = counts
         return original_fn(sampler, logits, sampling_info)
@@ -400,7 +605,7 @@ def make_hooks(state: PluginState) -> dict:
         cu_num_rows = verify_input.draft_token_num * torch.arange(
             len(rids) + 1, device=logits.device, dtype=torch.int32
         )
-        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "verify")
+        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "verify", verify_groups())
         out = original_fn(verify_input, batch, logits_output, *args, **kwargs)
         if counts is not None:
             _attach(logits_output, NanCountsOnDevice("verify", tuple(rids), counts))
@@ -435,6 +640,38 @@ def make_hooks(state: PluginState) -> dict:
         announce(state, server_args)
         return None
 
+    def ranks_hook(result, scheduler, *args, **kwargs):
+        """After the model worker (and torch.distributed) started: ranks agree, PP fallback."""
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        check_ranks_agree(rank_config(state), parallel.world_group.cpu_group)
+        fall_back_without_pp_relay(state, parallel.pp_size)
+        return None
+
+    def pp_send_hook(original_fn, scheduler, result, batch, *args, **kwargs):
+        """Last stage: put the counts in the output dict SGLang sends round the PP ring."""
+        ours = _detach_counts(getattr(result, "logits_output", None))
+        tensor_dict = original_fn(scheduler, result, batch, *args, **kwargs)
+        add_counts_to_pp_tensors(tensor_dict, ours)
+        return tensor_dict
+
+    def pp_recv_hook(original_fn, scheduler, batch, mb_metadata, pp_outputs, *args, **kwargs):
+        """Every stage: rebuild the counts beside SGLang's result; leave them in the dict for the next stage."""
+        tensors = pp_outputs.tensors
+        # Out of SGLang's sight while it rebuilds its own outputs (its first stage pops every
+        # auxiliary output and needs a sampling observer for them), back in for the relay.
+        ours = {key: tensors.pop(key) for key in [k for k in tensors if PP_TENSOR_PREFIX in k]}
+        try:
+            result = original_fn(scheduler, batch, mb_metadata, pp_outputs, *args, **kwargs)
+        finally:
+            tensors.update(ours)
+        if ours:
+            forward_batch = getattr(mb_metadata, "fwd_batch", None) or batch  # the composition that ran
+            rids = [req.rid for req in forward_batch.reqs]
+            attach_relayed_counts(state, result, NanCountsOnDevice.from_pp_tensors(ours, rids))
+        return result
+
     hooks = {
         SAMPLER_TARGET: sampler_hook,
         SAMPLE_CONTEXT_TARGET: sample_context_hook,
@@ -442,6 +679,9 @@ def make_hooks(state: PluginState) -> dict:
         RESULT_TARGET: result_hook,
         FINISH_TARGET: finish_hook,
         ANNOUNCE_TARGET: announce_hook,
+        RANKS_TARGET: ranks_hook,
+        PP_SEND_TARGET: pp_send_hook,
+        PP_RECV_TARGET: pp_recv_hook,
     }
     for hook in hooks.values():
         hook.safespec_hook = True
@@ -455,6 +695,7 @@ def hook_types() -> dict:
     types_ = {target: HookType.AROUND for target in HOOK_TARGETS}
     types_[FINISH_TARGET] = HookType.BEFORE
     types_[ANNOUNCE_TARGET] = HookType.AFTER
+    types_[RANKS_TARGET] = HookType.AFTER
     return types_
 
 
@@ -492,9 +733,11 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
             "unset it to let SAFESPEC_NAN_POLICY=%s act",
             policy.value,
         )
-    state = PluginState(policy=policy)
+    state = PluginState(policy=policy, pp_relay_missing=pp_relay_missing())
     types_ = hook_types()
     for target, hook in make_hooks(state).items():
+        if state.pp_relay_missing is not None and target in PP_HOOK_TARGETS:
+            continue  # nothing to hook; fall_back_without_pp_relay acts under pp_size > 1
         HookRegistry.register(target, hook, types_[target])
     logger.debug("safespec SGLang plugin: policy %s on %s", policy.value, ", ".join(HOOK_TARGETS))
     return state
