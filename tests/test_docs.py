@@ -1,0 +1,124 @@
+"""The docs run as written: every ```python block of README.md and docs/*.md, the examples/ scripts,
+and the doctests in the public docstrings of numerics, samplers and spec_decode.
+
+Each block runs alone (fresh globals, no state from the block before it), in this process, from the
+checkout root, as a reader would paste it. A snippet that is not meant to run takes another fence
+language (```text, ```bash). Blocks that load the shipped models run on CPU, so the suite needs no GPU.
+"""
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+import re
+import runpy
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+PACKAGES = ("numerics", "samplers", "spec_decode")
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """(first line number, source) of every ```python block in ``path``."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start(1)) + 1, m.group(1)) for m in FENCE.finditer(text)]
+
+
+BLOCKS = [(path, line, src) for path in DOC_FILES for line, src in python_blocks(path)]
+
+
+@pytest.fixture
+def clean_process(monkeypatch):
+    """The checkout root as the working directory, no NaN policy from the environment, and the
+    process-wide NaN warner re-armed afterwards (a block may spend its one warning)."""
+    from numerics import NAN_POLICY_ENV, reset_nan_warner
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv(NAN_POLICY_ENV, raising=False)
+    yield
+    reset_nan_warner()
+
+
+@pytest.mark.parametrize(("path", "line", "src"), BLOCKS,
+                         ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _ in BLOCKS])
+def test_python_block_runs(path, line, src, clean_process):
+    # Padding with newlines makes a traceback's line number the line in the markdown file.
+    code = compile("\n" * (line - 1) + src, str(path), "exec")
+    exec(code, {"__name__": "__docs__"})
+
+
+def test_every_doc_page_is_scanned():
+    """The README and the reference pages hold the blocks this module runs (a renamed fence or an
+    emptied README would otherwise pass silently)."""
+    assert (ROOT / "README.md") in DOC_FILES and len(DOC_FILES) >= 8
+    in_readme = [b for b in BLOCKS if b[0].name == "README.md"]
+    assert len(in_readme) >= 2, "the README's quickstart must be a ```python block"
+
+
+def test_fence_extraction():
+    """A block's line number is its first source line; other fence languages are not collected."""
+    sample = "text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = 2\nc = 3\n```\n"
+    path = ROOT / "build" / "_fence_sample.md"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(sample)
+    try:
+        assert python_blocks(path) == [(3, "a = 1\n"), (9, "b = 2\nc = 3\n")]
+    finally:
+        path.unlink()
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(script, clean_process, capsys):
+    runpy.run_path(str(script), run_name="__main__")
+    assert capsys.readouterr().out.strip(), f"{script.name} printed nothing"
+
+
+def test_examples_exist():
+    assert {p.name for p in EXAMPLES} >= {"quickstart.py", "nan_policy_rehearsal.py"}
+
+
+def _public_modules() -> list[str]:
+    """Every importable module of the three packages (``__main__`` entry points excluded: importing one runs it)."""
+    names = []
+    for pkg in PACKAGES:
+        names.append(pkg)
+        mod = importlib.import_module(pkg)
+        names += [m.name for m in pkgutil.walk_packages(mod.__path__, prefix=pkg + ".")
+                  if not m.name.endswith(".__main__")]
+    return sorted(names)
+
+
+def _collect_doctests() -> tuple[list[doctest.DocTest], list[str]]:
+    """The docstrings with examples, and the modules skipped because an optional dependency is missing."""
+    found, missing = [], []
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    for name in _public_modules():
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:   # triton, sglang, ...: optional extras
+            missing.append(f"{name}: {e}")
+            continue
+        found += [t for t in finder.find(module, name) if t.examples and t.name.startswith(name)]
+    return sorted(found, key=lambda t: t.name), missing
+
+
+DOCTESTS, DOCTEST_SKIPPED = _collect_doctests()
+
+
+@pytest.mark.parametrize("test", DOCTESTS, ids=[t.name for t in DOCTESTS])
+def test_doctest(test, clean_process):
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {test.name} (output above)"
+
+
+def test_doctests_found():
+    """The public docstrings that carry examples (numerics, samplers) are all collected."""
+    modules = {t.name.split(".")[0] for t in DOCTESTS}
+    assert {"numerics", "samplers"} <= modules, (modules, DOCTEST_SKIPPED)
