@@ -122,7 +122,8 @@ def _gumbel(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()
 
 
-def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, *,
+                  backend: str = "auto") -> torch.Tensor:
     """Standard Gumbel noise G(seed, position, token) for every token, float32.
 
     Shape:
@@ -131,7 +132,10 @@ def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
             in about [-3.6, 36.7].
 
     A value depends on its (seed, position, token) only: never on the other rows, the batch
-    size or the device (see the module docstring for the hash and the one float rounding).
+    size, the vocabulary size (a token's noise is keyed by its id) or the device (see the
+    module docstring for the hash and the one float rounding). ``backend``: ``"torch"``,
+    ``"triton"`` (one kernel, the same bits; CPU tensors need ``TRITON_INTERPRET=1``) or
+    ``"auto"``, which is the torch path (the kernel is opt-in).
 
     NaN: none (no float input).
 
@@ -142,7 +146,38 @@ def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int)
     >>> torch.equal(g[0], coupled_noise(torch.tensor([7]), torch.tensor([3]), 5)[0])
     True
     """
-    return _gumbel(_uniform(coupled_hash(seeds, positions, vocab_size))).float()
+    seeds, positions = _check_keys(seeds, positions)
+    vocab = _check_vocab_size(vocab_size)
+    if positions.dim() == 2:  # row b*N + n is (seeds[b], positions[b, n])
+        seeds = seeds.repeat_interleave(positions.shape[1])
+    noise = _noise(seeds, positions.flatten(), vocab, None, _check_backend(backend))
+    return noise.view(positions.shape + (vocab,))
+
+
+def _coupled_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                             base: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path of the noise: G(seed, position, x), plus ``base`` when given.
+
+    Shape: seeds, positions int64 [R]; base float32 [R, V] or None -> float32 [R, V] (a new tensor).
+    NaN: a NaN in ``base`` stays NaN; the noise has none.
+    """
+    noise = _gumbel(_uniform(coupled_hash(seeds, positions, vocab_size))).float()
+    return noise if base is None else noise.add_(base)
+
+
+def _noise(seeds, positions, vocab, base, backend: str) -> torch.Tensor:
+    """Dispatch: [R] keys (and base [R, V]) -> float32 [R, V] on the chosen backend."""
+    if backend != "triton":
+        return _coupled_noise_reference(seeds, positions, vocab, base)
+    from samplers import _triton_coupled
+
+    return _triton_coupled.coupled_noise_triton(seeds, positions, vocab, base)
+
+
+def _check_backend(backend) -> str:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return backend
 
 
 def coupled_scores(
@@ -158,6 +193,7 @@ def coupled_scores(
     check_inputs: bool = False,
     return_nonfinite: bool = False,
     params: SamplingParams | None = None,
+    backend: str = "auto",
 ):
     """Noised processed log-probabilities log p(x) + G(seed, position, x): their argmax is the coupled sample.
 
@@ -167,6 +203,7 @@ def coupled_scores(
         temperature, top_k, top_p, min_p: per row, as in :func:`logits_to_probs` (scalar,
             list of B or tensor [B]); row b's N positions share row b's parameters.
         params: a built ``SamplingParams`` of B rows instead of those four (as in :func:`sample`).
+        backend: where the noise is made, as in :func:`coupled_noise`.
         returns: float32 scores [B, V] or [B, N, V]; with ``return_nonfinite`` the
             :class:`SamplerOutput` ``(scores, nonfinite_rows [B] bool)`` with the attribute
             ``dead_rows`` [B] bool.
@@ -180,14 +217,15 @@ def coupled_scores(
     NaN only), so an all-NaN row scores like a uniform one; under ``"off"`` a row still
     holding NaN scores NaN and ``nonfinite_rows``/``dead_rows`` are None.
     """
-    seeds, positions, params = _check(logits, seeds, positions, params, temperature, top_k, top_p, min_p,
-                                      check_inputs)
+    seeds, positions = _check(logits, seeds, positions, backend)
+    params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy)  # masks and ``raise`` per batch row, before the flattening
     if logits.dim() == 3:  # row b*N + n holds logits[b, n]
         per_row = logits.shape[1]
         seeds, params = seeds.repeat_interleave(per_row), params.repeat(per_row)
     vocab = logits.shape[-1]
-    scores = _noised_log_probs(prep.work.reshape(-1, vocab), seeds, positions.flatten(), params).view(logits.shape)
+    scores = _noised_log_probs(prep.work.reshape(-1, vocab), seeds, positions.flatten(), params, backend)
+    scores = scores.view(logits.shape)
     if not return_nonfinite:
         return scores
     return SamplerOutput(("scores", "nonfinite_rows"), scores=scores, nonfinite_rows=prep.nonfinite,
@@ -207,12 +245,13 @@ def coupled_sample(
     check_inputs: bool = False,
     return_nonfinite: bool = False,
     params: SamplingParams | None = None,
+    backend: str = "auto",
 ):
     """Draw one token per row from the processed distribution by Gumbel-max with noise keyed by (seed, position).
 
     Shape:
         logits: [B, V]; seeds: [B] integer; positions: [B] integer (absolute positions).
-        temperature, top_k, top_p, min_p, params: as in :func:`sample`.
+        temperature, top_k, top_p, min_p, params: as in :func:`sample`; backend as in :func:`coupled_noise`.
         returns: ids [B] int64 in [0, V); with ``return_nonfinite`` the
             :class:`SamplerOutput` ``(ids, nonfinite_rows [B] bool)`` with the attribute
             ``dead_rows`` [B] bool.
@@ -239,27 +278,27 @@ def coupled_sample(
     True
     """
     check_float_tensor(logits, "logits", 2)
-    seeds, positions, params = _check(logits, seeds, positions, params, temperature, top_k, top_p, min_p,
-                                      check_inputs)
+    seeds, positions = _check(logits, seeds, positions, backend)
+    params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the noised one-hot gives, without the [B, V] noise
     else:
-        ids = _noised_log_probs(prep.work, seeds, positions, params).argmax(-1)
+        ids = _noised_log_probs(prep.work, seeds, positions, params, backend).argmax(-1)
     if not return_nonfinite:
         return ids
     return SamplerOutput(("ids", "nonfinite_rows"), ids=ids, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
 def _noised_log_probs(work: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                      params: SamplingParams) -> torch.Tensor:
+                      params: SamplingParams, backend: str) -> torch.Tensor:
     """log p + G for sanitized float32 logits. Shape: work [R, V], seeds/positions/params [R] -> [R, V]."""
     log_p = process_logits(work, params).log_()  # probability 0 -> -inf: never the argmax
-    return log_p.add_(coupled_noise(seeds, positions, work.shape[-1]))
+    return _noise(seeds, positions, work.shape[-1], log_p, backend)
 
 
-def _check(logits, seeds, positions, params, temperature, top_k, top_p, min_p, check_inputs):
-    """Check the arguments of the scoring functions -> (seeds int64 [B], positions int64, params of B rows).
+def _check(logits, seeds, positions, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the tensors of the scoring functions and the backend -> (seeds int64 [B], positions int64).
 
     Shape: logits [B, V] with positions [B], or [B, N, V] with positions [B, N]; seeds [B].
     """
@@ -276,8 +315,8 @@ def _check(logits, seeds, positions, params, temperature, top_k, top_p, min_p, c
     if positions.shape != logits.shape[:-1]:
         raise ValueError(f"positions must have shape {tuple(logits.shape[:-1])} (the logits without the "
                          f"vocabulary), got {tuple(positions.shape)}")
-    params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    return seeds, positions, params
+    _check_backend(backend)
+    return seeds, positions
 
 
 def _check_keys(seeds, positions) -> tuple[torch.Tensor, torch.Tensor]:

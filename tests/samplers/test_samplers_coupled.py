@@ -7,11 +7,18 @@ noise that is not Gumbel (-log u, an exponential), noise keyed without the posit
 noise keyed by the batch row instead of the seed, and position and token sharing one
 counter. Then exact properties: the hash against a pure-Python uint64 reference, batch
 invariance, temperature 0, masks, argument errors and NaN rows.
+
+The Triton kernel is compared with the torch path bit for bit, under TRITON_INTERPRET=1 on
+CPU-only machines (set only while its module is imported), compiled on CUDA ones.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -274,8 +281,8 @@ def _batch_invariance_holds() -> bool:
     ids = coupled_sample(logits, seeds, positions, **params)
     perm = torch.randperm(logits.shape[0], generator=torch.Generator().manual_seed(1))
     permuted = coupled_sample(logits[perm], seeds[perm], positions[perm], **_pick(params, perm))
-    alone = torch.cat([coupled_sample(logits[i:i + 1], seeds[i:i + 1], positions[i:i + 1], **_pick(params, slice(i, i + 1)))
-                       for i in range(logits.shape[0])])
+    alone = torch.cat([coupled_sample(logits[i:i + 1], seeds[i:i + 1], positions[i:i + 1],
+                                      **_pick(params, slice(i, i + 1))) for i in range(logits.shape[0])])
     others, oseeds, opos, oparams = _batch(seed=5, b=20)
     bigger = coupled_sample(torch.cat([others, logits]), torch.cat([oseeds, seeds]), torch.cat([opos, positions]),
                             **{k: torch.cat([oparams[k], v]) for k, v in params.items()})[20:]
@@ -383,6 +390,8 @@ def _one_row():
         (lambda x, s, p: coupled_noise(s, p, 0), "vocab_size"),
         (lambda x, s, p: coupled_noise(s, p, 2.0), "vocab_size"),
         (lambda x, s, p: coupled_noise(s, p[:1], 4), "positions"),
+        (lambda x, s, p: coupled_noise(s, p, 4, backend="cuda"), "backend"),
+        (lambda x, s, p: coupled_sample(x, s, p, backend=None), "backend"),
     ],
 )
 def test_bad_arguments_name_the_argument(call, name):
@@ -435,3 +444,58 @@ def test_nan_policy_off_still_gives_ids_in_range():
     logits, seeds, positions = _nan_batch()
     out = coupled_sample(logits, seeds, positions, nan_policy="off", return_nonfinite=True)
     assert ((out.ids >= 0) & (out.ids < 7)).all() and out.nonfinite_rows is None and out.dead_rows is None
+
+
+# ----------------------------------------------------------------------------- the Triton kernel
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """samplers._triton_coupled, interpreted on CPU-only machines (TRITON_INTERPRET is read at import)."""
+    pytest.importorskip("triton")
+    if "samplers._triton_coupled" not in sys.modules and DEVICE == "cpu":
+        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+            return importlib.import_module("samplers._triton_coupled")
+    return importlib.import_module("samplers._triton_coupled")
+
+
+def _keys(rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    seeds = torch.cat([torch.tensor(SEEDS), torch.randint(-(2**63), 2**63 - 1, (rows,), generator=g)])
+    positions = torch.cat([torch.tensor(POSITIONS), torch.randint(0, 1 << 20, (rows,), generator=g)])
+    return seeds.to(DEVICE), positions.to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 1100])  # 1100: two programs per row, the second partial
+def test_kernel_noise_equals_torch_bit_for_bit(kernel, vocab):
+    seeds, positions = _keys(6)
+    torch_noise = coupled_noise(seeds, positions, vocab, backend="torch")
+    assert torch.equal(coupled_noise(seeds, positions, vocab, backend="triton"), torch_noise)
+    grid = torch.stack([positions, positions + 1], 1)  # [B, 2]
+    assert torch.equal(coupled_noise(seeds, grid, vocab, backend="triton"), coupled_noise(seeds, grid, vocab))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_scores_and_samples_equal_torch_bit_for_bit(kernel, dtype):
+    logits, seeds, positions, params = _batch(b=5, vocab=1100)
+    logits[:, 7] = float("-inf")
+    logits[1, 3] = float("nan")
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    logits, seeds, positions = dev(logits).to(dtype), dev(seeds), dev(positions)
+    params = {k: dev(v) for k, v in params.items()}
+    steps, grid = torch.stack([logits, logits.flip(-1)], 1), torch.stack([positions, positions + 1], 1)
+    for backend_args in [dict(logits=logits, positions=positions), dict(logits=steps, positions=grid)]:
+        want = coupled_scores(backend_args["logits"], seeds, backend_args["positions"], backend="torch", **params)
+        got = coupled_scores(backend_args["logits"], seeds, backend_args["positions"], backend="triton", **params)
+        assert torch.equal(got, want)
+    assert torch.equal(coupled_sample(logits, seeds, positions, backend="triton", **params),
+                       coupled_sample(logits, seeds, positions, **params))
+
+
+def test_kernel_on_cpu_without_the_interpreter_says_how_to_run_it(kernel, monkeypatch):
+    monkeypatch.setattr(kernel, "_interpreter_active", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        coupled_noise(torch.tensor([1]), torch.tensor([2]), 4, backend="triton")
