@@ -1,0 +1,251 @@
+"""spec-bench's command line rejects bad values up front (issue 40, item 6), and measures fixed-length outputs.
+
+Each probe runs ``main([...])`` with one bad value and must exit with status 2 and one error line naming
+the option the user typed, before any model loads or anything is timed: the ``no_work`` fixture makes
+every model loader, every ``generate`` call and the micro-benchmark's timer raise, so that a check that
+comes too late fails the probe instead of running (or, for ``--min-run-time nan``, hanging).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spec_decode.bench import main
+from spec_decode.model import Transformer
+from tiny_models import make_tiny_eagle, make_tiny_target
+
+POSITIONS = 256   # the tiny target's max_position_embeddings
+PROMPT_LENGTHS = (5, 8, 11)   # the longest prompt a run reads decides how many new tokens fit
+MAX_SEED = 2**63 - 1
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> Path:
+    """models/{tiny-target,tiny-eagle} + prompts.jsonl; every token is an EOS of the target."""
+    root = tmp_path_factory.mktemp("cli_fixtures")
+    target_dir = make_tiny_target(root / "models", name="tiny-target", max_position_embeddings=POSITIONS)
+    (target_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(97))}))
+    make_tiny_eagle(Transformer.from_pretrained(target_dir, dtype=torch.float32), root / "models" / "tiny-eagle")
+    g = torch.Generator().manual_seed(0)
+    with open(root / "prompts.jsonl", "w") as f:
+        for n in PROMPT_LENGTHS:
+            f.write(json.dumps({"token_ids": torch.randint(97, (n,), generator=g).tolist()}) + "\n")
+    return root
+
+
+class WorkStarted(Exception):
+    """Raised by ``no_work``'s stand-ins: the command got past its checks."""
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Make loading a model, generating and timing raise WorkStarted."""
+    import torch.utils.benchmark
+
+    from spec_decode import eagle
+    from spec_decode.pipeline import SpecDecoder
+
+    def refuse(*args, **kwargs):
+        raise WorkStarted("a model loaded or work ran before the bad value was rejected")
+
+    monkeypatch.setattr(Transformer, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(eagle, "load_drafter", refuse)
+    monkeypatch.setattr(SpecDecoder, "generate", refuse)
+    monkeypatch.setattr(torch.utils.benchmark, "Timer", refuse)
+
+
+def _truncated(fx: Path, name: str, tmp: Path) -> Path:
+    dst = shutil.copytree(fx / "models" / name, tmp / f"{name}-truncated")
+    data = (dst / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[:len(data) // 2])
+    return dst
+
+
+def _file(tmp: Path) -> Path:
+    path = tmp / "existing-file"
+    path.write_text("x")
+    return path
+
+
+def _inputs(fx: Path) -> list:
+    m = fx / "models"
+    return ["--target", m / "tiny-target", "--eagle", m / "tiny-eagle", "--prompts", fx / "prompts.jsonl"]
+
+
+def _base(sub: str, fx: Path, tmp: Path) -> list:
+    """A valid command line of subcommand ``sub`` ("" = the main run) that the probe adds one bad value to."""
+    small = ["--num-prompts", "1", "--max-new-tokens", "2"]
+    return {
+        "": _inputs(fx) + small + ["--methods", "ar", "--nan-rounds", "0", "--no-progress", "--out", tmp / "out"],
+        "tune": ["tune"] + _inputs(fx) + small + ["--first-prompt", "0", "--shapes", "2/1/3", "--no-progress",
+                                                  "--out", tmp / "out"],
+        "profile": ["profile"] + _inputs(fx) + small + ["--method", "eagle_chain"],
+        "compile": ["compile"] + _inputs(fx) + small,
+        "gemm": ["gemm"] + _inputs(fx) + small + ["--repeats", "1"],
+        "numerics": ["numerics", "--device", "cpu", "--rows", "8", "--vocabs", "99", "--dtypes", "fp32",
+                     "--min-run-time", "0.01", "--out", tmp / "out"],
+    }[sub]
+
+
+# name -> (subcommand, fn(fixtures, tmp) -> bad values, the option the error line must name)
+PROBES = {
+    # issue 40 item 6, as filed
+    "numerics_min_run_time_nan": ("numerics", lambda fx, t: ["--min-run-time", "nan"], "--min-run-time"),
+    "numerics_min_run_time_inf": ("numerics", lambda fx, t: ["--min-run-time", "inf"], "--min-run-time"),
+    "numerics_min_run_time_negative": ("numerics", lambda fx, t: ["--min-run-time", "-1"], "--min-run-time"),
+    "max_new_tokens_past_positions": ("", lambda fx, t: ["--max-new-tokens", "5000"], "--max-new-tokens"),
+    # 8 (the longest prompt read: the measured one and the warm-up) + 249 > 256
+    "max_new_tokens_past_positions_with_the_prompt": ("", lambda fx, t: ["--max-new-tokens", "249"],
+                                                      "--max-new-tokens"),
+    "tune_max_new_tokens_past_positions": ("tune", lambda fx, t: ["--max-new-tokens", "5000"], "--max-new-tokens"),
+    "profile_max_new_tokens_past_positions": ("profile", lambda fx, t: ["--max-new-tokens", "5000"],
+                                              "--max-new-tokens"),
+    "compile_max_new_tokens_past_positions": ("compile", lambda fx, t: ["--max-new-tokens", "5000"],
+                                              "--max-new-tokens"),
+    "seed_negative": ("", lambda fx, t: ["--seed", "-1"], "--seed"),
+    "seed_huge": ("", lambda fx, t: ["--seed", "99999999999999999999999"], "--seed"),
+    "seed_2_pow_63": ("", lambda fx, t: ["--seed", str(2**63)], "--seed"),
+    "tune_seed_negative": ("tune", lambda fx, t: ["--seed", "-1"], "--seed"),
+    "tune_seed_huge": ("tune", lambda fx, t: ["--seed", "99999999999999999999999"], "--seed"),
+    "profile_json_dir_missing": ("profile", lambda fx, t: ["--json", "/nonexistent/dir/x.json"], "--json"),
+    "profile_json_is_a_dir": ("profile", lambda fx, t: ["--json", t], "--json"),
+    "numerics_out_is_a_file": ("numerics", lambda fx, t: ["--out", _file(t)], "--out"),
+    "gemm_target_truncated": ("gemm", lambda fx, t: ["--target", _truncated(fx, "tiny-target", t)], "--target"),
+    "gemm_target_missing": ("gemm", lambda fx, t: ["--target", t / "absent"], "--target"),
+    "gemm_eagle_truncated": ("gemm", lambda fx, t: ["--eagle", _truncated(fx, "tiny-eagle", t)], "--eagle"),
+    "gemm_eagle_missing": ("gemm", lambda fx, t: ["--eagle", t / "absent"], "--eagle"),
+    "compile_target_truncated": ("compile", lambda fx, t: ["--target", _truncated(fx, "tiny-target", t)],
+                                 "--target"),
+    "compile_target_missing": ("compile", lambda fx, t: ["--target", t / "absent"], "--target"),
+    "compile_eagle_truncated": ("compile", lambda fx, t: ["--eagle", _truncated(fx, "tiny-eagle", t)], "--eagle"),
+    "compile_eagle_missing": ("compile", lambda fx, t: ["--eagle", t / "absent"], "--eagle"),
+    "compile_prompts_missing": ("compile", lambda fx, t: ["--prompts", t / "absent.jsonl"], "--prompts"),
+    "compile_threads_zero": ("compile", lambda fx, t: ["--threads", "0"], "--threads"),
+    "methods_empty_item": ("", lambda fx, t: ["--methods", "ar,,eagle_chain"], "--methods"),
+    "methods_twice": ("", lambda fx, t: ["--methods", "ar,ar"], "--methods"),
+    "methods_empty": ("", lambda fx, t: ["--methods", ""], "--methods"),
+    "dtype_empty": ("", lambda fx, t: ["--dtype", ""], "--dtype"),
+    "dtype_twice": ("", lambda fx, t: ["--dtype", "bf16,bf16"], "--dtype"),
+    "tune_dtype_empty": ("tune", lambda fx, t: ["--dtype", ""], "--dtype"),
+    "profile_dtype_empty": ("profile", lambda fx, t: ["--dtype", ""], "--dtype"),
+    "compile_dtype_empty": ("compile", lambda fx, t: ["--dtype", ""], "--dtype"),
+    "profile_cprofile_negative": ("profile", lambda fx, t: ["--cprofile", "-3"], "--cprofile"),
+    "device_cpu_index": ("", lambda fx, t: ["--device", "cpu:7"], "--device"),
+    "tune_device_cpu_index": ("tune", lambda fx, t: ["--device", "cpu:7"], "--device"),
+    "profile_device_cpu_index": ("profile", lambda fx, t: ["--device", "cpu:7"], "--device"),
+    "batch_size_above_num_prompts": ("", lambda fx, t: ["--batch-size", "1000"], "--batch-size"),
+    "batch_size_negative": ("", lambda fx, t: ["--batch-size", "-1"], "--batch-size"),
+    "profile_temperature_negative": ("profile", lambda fx, t: ["--temperature", "-1"], "--temperature"),
+    # the other numeric options
+    "profile_temperature_nan": ("profile", lambda fx, t: ["--temperature", "nan"], "--temperature"),
+    "profile_num_prompts_negative": ("profile", lambda fx, t: ["--num-prompts", "-2"], "--num-prompts"),
+    "profile_threads_zero": ("profile", lambda fx, t: ["--threads", "0"], "--threads"),
+    "temperatures_nan": ("", lambda fx, t: ["--temperatures", "nan"], "--temperatures"),
+    "temperatures_empty_item": ("", lambda fx, t: ["--temperatures", "0,,1"], "--temperatures"),
+    "temperatures_twice": ("", lambda fx, t: ["--temperatures", "0,0.0"], "--temperatures"),
+    "tune_temperatures_empty_item": ("tune", lambda fx, t: ["--temperatures", "0,,1"], "--temperatures"),
+    "num_prompts_negative": ("", lambda fx, t: ["--num-prompts", "-1"], "--num-prompts"),
+    "nan_rounds_negative": ("", lambda fx, t: ["--nan-rounds", "-1"], "--nan-rounds"),
+    "threads_zero": ("", lambda fx, t: ["--threads", "0"], "--threads"),
+    "tune_threads_zero": ("tune", lambda fx, t: ["--threads", "0"], "--threads"),
+    "tune_num_prompts_zero": ("tune", lambda fx, t: ["--num-prompts", "0"], "--num-prompts"),
+    "compile_num_prompts_zero": ("compile", lambda fx, t: ["--num-prompts", "0"], "--num-prompts"),
+    "gemm_rows_empty_item": ("gemm", lambda fx, t: ["--rows", "1,,2"], "--rows"),
+    "gemm_max_new_tokens_past_positions": ("gemm", lambda fx, t: ["--max-new-tokens", "5000"], "--max-new-tokens"),
+    "gemm_num_prompts_negative": ("gemm", lambda fx, t: ["--num-prompts", "-1"], "--num-prompts"),
+    "numerics_rows_empty_item": ("numerics", lambda fx, t: ["--rows", "8,,16"], "--rows"),
+    "numerics_dtypes_twice": ("numerics", lambda fx, t: ["--dtypes", "fp32,fp32"], "--dtypes"),
+    "numerics_threads_zero": ("numerics", lambda fx, t: ["--threads", "0"], "--threads"),
+}
+
+
+@pytest.mark.parametrize("probe", list(PROBES))
+def test_bad_value_exits_2_naming_the_option_before_any_work(fx, tmp_path, capsys, no_work, probe):
+    sub, bad, option = PROBES[probe]
+    argv = [str(a) for a in _base(sub, fx, tmp_path) + bad(fx, tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    # the option the user typed, not a longer one that starts with it (--temperature, not --temperatures)
+    assert re.search(re.escape(option) + r"(?![\w-])", errors[0]), errors[0]
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_min_run_time_nan_returns_at_once_from_the_console_entry():
+    """The entry point itself, no stand-ins: it once timed forever."""
+    proc = subprocess.run([sys.executable, "-m", "spec_decode.bench", "numerics", "--min-run-time", "nan"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2, proc.stderr
+    assert "--min-run-time" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_help_says_eos_is_ignored(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "ignoring EOS" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+    """The keyword arguments of every ``SpecDecoder.generate`` call."""
+    from spec_decode.pipeline import SpecDecoder
+
+    calls, real = [], SpecDecoder.generate
+
+    def spy(self, prompts, **kwargs):
+        calls.append(kwargs)
+        return real(self, prompts, **kwargs)
+
+    monkeypatch.setattr(SpecDecoder, "generate", spy)
+    return calls
+
+
+def test_every_generate_call_ignores_eos_and_results_say_so(fx, tmp_path, generate_calls):
+    """Every token is an EOS of the tiny target: a call that stopped there would come up short."""
+    rc = main([str(a) for a in _inputs(fx)] + ["--num-prompts", "2", "--max-new-tokens", "4", "--batch-size", "2",
+                                               "--methods", "ar,eagle_chain", "--temperatures", "0,1",
+                                               "--nan-rounds", "1", "--threads", "1", "--no-progress",
+                                               "--out", str(tmp_path)])
+    assert rc == 0
+    assert generate_calls and all(c.get("ignore_eos") is True for c in generate_calls)
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["config"]["ignore_eos"] is True
+    assert r["methods"]["eagle_chain"]["generated_tokens"] == 2 * 4
+
+
+def test_profile_and_compile_generate_ignoring_eos(fx, tmp_path, generate_calls, capsys):
+    inputs = [str(a) for a in _inputs(fx)]
+    assert main(["profile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "3", "--threads", "1",
+                                        "--cprofile", "2"]) == 0
+    assert main(["compile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "3"]) == 0
+    assert generate_calls and all(c.get("ignore_eos") is True for c in generate_calls)
+
+
+def test_the_largest_seed_runs_sampled_batches(fx, tmp_path):
+    """Seeds derived per batch and per row stay inside [0, 2**63): the largest seed is a seed like any other."""
+    rc = main([str(a) for a in _inputs(fx)] + ["--num-prompts", "2", "--max-new-tokens", "3", "--batch-size", "2",
+                                               "--methods", "ar,eagle_chain", "--temperatures", "1",
+                                               "--nan-rounds", "0", "--threads", "1", "--no-progress",
+                                               "--seed", str(MAX_SEED), "--out", str(tmp_path)])
+    assert rc == 0
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["seed"] == MAX_SEED
+
+
+def test_tune_reads_the_prompts_it_measures_for_the_position_check(fx, tmp_path, capsys, no_work):
+    """From --first-prompt 1 the longest prompt read is 11 tokens, and 11 + 246 > 256 (from prompt 0 it is 8: 254 fit)."""
+    argv = [str(a) for a in _base("tune", fx, tmp_path)] + ["--first-prompt", "1", "--max-new-tokens", "246"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--max-new-tokens" in capsys.readouterr().err.splitlines()[-1]
