@@ -5,7 +5,8 @@ over seeds, over the positions of one seed, and for the joint law of two positio
 is paired with a mutant patched into samplers.coupled that the same statistic rejects:
 noise that is not Gumbel (-log u, an exponential), noise keyed without the position,
 noise keyed by the batch row instead of the seed, and position and token sharing one
-counter. Then exact properties: the hash against a pure-Python uint64 reference, batch
+counter. The coupling itself: draws from p and q under one noise agree at the exact
+Gumbel-coupling rate. Then exact properties: the hash against a pure-Python uint64 reference, batch
 invariance, temperature 0, masks, argument errors and NaN rows.
 
 The Triton kernel is compared with the torch path bit for bit, under TRITON_INTERPRET=1 on
@@ -189,6 +190,47 @@ def test_same_seed_in_another_row_draws_the_same_token():
 def test_same_seed_mutant_keyed_by_row_is_rejected(monkeypatch):
     monkeypatch.setattr(coupled_mod, "_position_keys", _mutant_keyed_by_row)
     result = _reordered_stat()
+    assert not result.passes, f"mutant not detected: {result}"
+
+
+# ----------------------------------------------------------------------------- two distributions, one noise
+
+
+DRAFT_LOGITS = [1.2, 1.9, 0.1, 0.4, -0.2, -2.0]  # a drafter's q, unlike p
+
+
+def _agreement_law(p: np.ndarray, q: np.ndarray) -> float:
+    """P(argmax log p + G == argmax log q + G) for one Gumbel vector G: sum_x 1 / sum_y max(p_y / p_x, q_y / q_x).
+
+    Both pick x iff G_y + log max(p_y / p_x, q_y / q_x) < G_x for every y: x wins a Gumbel race of those weights.
+    """
+    return float(sum(1.0 / np.maximum(p / p[x], q / q[x]).sum() for x in range(len(p))))
+
+
+def _coupling_stat(draft_position_shift: int = 0):
+    """Agreement of the coupled draws from p and q with the same (seed, position), against its exact law."""
+    seeds = torch.arange(NUM_SAMPLES, dtype=torch.int64) + 555
+    positions = torch.full((NUM_SAMPLES,), 40)
+    target = coupled_sample(_rows(LOGITS), seeds, positions)
+    draft = coupled_sample(_rows(DRAFT_LOGITS), seeds, positions + draft_position_shift)
+    p, q = reference_probs(LOGITS), reference_probs(DRAFT_LOGITS)
+    agree = _agreement_law(p, q)
+    tv = 0.5 * np.abs(p - q).sum()
+    assert agree >= (1 - tv) / (1 + tv)  # the bound of Daliri, Musco and Suresh
+    return chi_square((target == draft).long(), [1.0 - agree, agree], 2)
+
+
+def test_coupled_draws_of_two_distributions_agree_at_the_gumbel_coupling_rate():
+    result = _coupling_stat()
+    assert result.passes, str(result)
+
+
+@pytest.mark.parametrize("attr, mutant, shift", [("_gumbel", _mutant_exponential_noise, 0), (None, None, 1)],
+                         ids=["exponential_noise", "draft_at_another_position"])
+def test_coupling_mutants_are_rejected(monkeypatch, attr, mutant, shift):
+    if attr is not None:
+        monkeypatch.setattr(coupled_mod, attr, mutant)
+    result = _coupling_stat(draft_position_shift=shift)
     assert not result.passes, f"mutant not detected: {result}"
 
 
