@@ -47,11 +47,13 @@ if triton is not None:
     def _coupled_noise_kernel(
         seeds_ptr,  # [R] int64: row r's seed
         positions_ptr,  # [R] int64: row r's position
+        token_ids_ptr,  # [V] int64: column j's token id if HAS_IDS (else unused: column j is token j)
         base_ptr,  # [R, V] float32, row stride stride_base: added to the noise if ADD_BASE (else unused)
         out_ptr,  # [R, V] float32, contiguous: G(seed, position, x) (+ base)
         V,
         stride_base,
         BLOCK_V: tl.constexpr,
+        HAS_IDS: tl.constexpr,
         ADD_BASE: tl.constexpr,
     ):
         # Grid: (R, cdiv(V, BLOCK_V)). Each program writes BLOCK_V tokens of one row.
@@ -61,7 +63,11 @@ if triton is not None:
         seed = tl.load(seeds_ptr + row).to(tl.uint64, bitcast=True)
         position = tl.load(positions_ptr + row).to(tl.uint64, bitcast=True)
         key = _stream(_stream(seed, seed * 0), position)  # [ ] uint64: the row's token-stream key
-        word = _stream(key, cols.to(tl.uint64))  # [BLOCK_V] uint64
+        if HAS_IDS:
+            tokens = tl.load(token_ids_ptr + cols, mask=in_row, other=0)
+        else:
+            tokens = cols
+        word = _stream(key, tokens.to(tl.uint64, bitcast=True))  # [BLOCK_V] uint64
         # (k + 1/2) / 2**52 with k the top 52 bits, highest flipped: exact in float64, in (0, 1).
         k = (word >> 12) ^ (1 << 51)
         u = k.to(tl.float64) * 2.220446049250313e-16 + 1.1102230246251565e-16  # 2**-52, 2**-53
@@ -79,11 +85,12 @@ def _interpreter_active() -> bool:
 
 
 def coupled_noise_triton(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
-                         base: torch.Tensor | None = None) -> torch.Tensor:
+                         token_ids: torch.Tensor | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
     """Host launcher for the Triton backend (inputs already validated and flattened). No host sync.
 
     Shape:
-        seeds, positions: int64 [R] on one device; base: float32 [R, V] (unit column stride) or None.
+        seeds, positions: int64 [R] on one device; token_ids: int64 [V], column j's token id, or
+            None (column j is token j); base: float32 [R, V] or None.
         returns: float32 [R, V]: the Gumbel noise, plus ``base`` when given (a new tensor).
 
     NaN: a NaN in ``base`` stays NaN (added, not checked); the noise has none.
@@ -106,11 +113,13 @@ def coupled_noise_triton(seeds: torch.Tensor, positions: torch.Tensor, vocab_siz
     _coupled_noise_kernel[(rows, triton.cdiv(vocab_size, block_v))](
         seeds.contiguous(),
         positions.contiguous(),
+        out if token_ids is None else token_ids.contiguous(),  # any pointer when unused
         out if base is None else base,
         out,
         vocab_size,
         0 if base is None else base.stride(0),
         BLOCK_V=block_v,
+        HAS_IDS=token_ids is not None,
         ADD_BASE=base is not None,
     )
     return out

@@ -49,7 +49,8 @@ import torch
 
 from numerics import NanPolicy
 from samplers._nan import prepare_logits
-from samplers._params import SamplingParams, check_device, check_float_tensor, check_int_tensor, check_vocab
+from samplers._params import (SamplingParams, check_device, check_float_tensor, check_int_tensor, check_shape,
+                              check_vocab)
 from samplers.output import SamplerOutput
 from samplers.probs import _params, process_logits
 
@@ -94,21 +95,27 @@ def _position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     return _stream(_stream(seeds, torch.zeros_like(seeds)), positions)
 
 
-def coupled_hash(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def coupled_hash(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, *,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The 64-bit word h(seed, position, token) of every token, as int64 (see the module docstring).
 
     Shape:
         seeds: [B] integer; positions: [B] or [B, N] integer (row b's N positions share seeds[b]).
+        token_ids: [V] integer, the token id of each column (a drafter's reduced vocabulary), or
+            None: column j is token j.
         returns: int64 [B, V] or [B, N, V], V = ``vocab_size``.
 
     NaN: none (integers only).
     """
     seeds, positions = _check_keys(seeds, positions)
-    vocab = _check_vocab_size(vocab_size)
+    vocab, token_ids = _check_token_ids(token_ids, vocab_size, positions.device)
     seeds = seeds.view(seeds.shape + (1,) * (positions.dim() - 1))  # [B, 1...]: broadcast over N
-    keys = _position_keys(seeds, positions).unsqueeze(-1)  # [B, (N,) 1]
-    tokens = torch.arange(vocab, dtype=torch.int64, device=positions.device)
-    return _stream(keys, tokens)
+    return _words(seeds, positions, _tokens(vocab, token_ids, positions.device))
+
+
+def _words(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """h(seed, position, token). Shape: seeds broadcastable to positions [...], tokens [V] -> int64 [..., V]."""
+    return _stream(_position_keys(seeds, positions).unsqueeze(-1), tokens)
 
 
 def _uniform(words: torch.Tensor) -> torch.Tensor:
@@ -123,11 +130,13 @@ def _gumbel(u: torch.Tensor) -> torch.Tensor:
 
 
 def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, *,
-                  backend: str = "auto") -> torch.Tensor:
+                  token_ids: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
     """Standard Gumbel noise G(seed, position, token) for every token, float32.
 
     Shape:
         seeds: [B] integer; positions: [B] or [B, N] integer (row b's N positions share seeds[b]).
+        token_ids: [V] integer, the token id keying each column's noise, or None (column j is
+            token j): a drafter over a reduced vocabulary gets its tokens' noise.
         returns: float32 [B, V] or [B, N, V], V = ``vocab_size``; every value finite,
             in about [-3.6, 36.7].
 
@@ -147,31 +156,34 @@ def coupled_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
     True
     """
     seeds, positions = _check_keys(seeds, positions)
-    vocab = _check_vocab_size(vocab_size)
+    vocab, token_ids = _check_token_ids(token_ids, vocab_size, positions.device)
     if positions.dim() == 2:  # row b*N + n is (seeds[b], positions[b, n])
         seeds = seeds.repeat_interleave(positions.shape[1])
-    noise = _noise(seeds, positions.flatten(), vocab, None, _check_backend(backend))
+    noise = _noise(seeds, positions.flatten(), vocab, token_ids, None, _check_backend(backend))
     return noise.view(positions.shape + (vocab,))
 
 
 def _coupled_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
-                             base: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path of the noise: G(seed, position, x), plus ``base`` when given.
+                             token_ids: torch.Tensor | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path of the noise: G(seed, position, token), plus ``base`` when given.
 
-    Shape: seeds, positions int64 [R]; base float32 [R, V] or None -> float32 [R, V] (a new tensor).
+    Shape: seeds, positions int64 [R]; token_ids int64 [V] (column j's token id) or None (column j
+    is token j); base float32 [R, V] or None -> float32 [R, V] (a new tensor).
+
     NaN: a NaN in ``base`` stays NaN; the noise has none.
     """
-    noise = _gumbel(_uniform(coupled_hash(seeds, positions, vocab_size))).float()
+    words = _words(seeds, positions, _tokens(vocab_size, token_ids, seeds.device))
+    noise = _gumbel(_uniform(words)).float()
     return noise if base is None else noise.add_(base)
 
 
-def _noise(seeds, positions, vocab, base, backend: str) -> torch.Tensor:
-    """Dispatch: [R] keys (and base [R, V]) -> float32 [R, V] on the chosen backend."""
+def _noise(seeds, positions, vocab_size, token_ids, base, backend: str) -> torch.Tensor:
+    """Dispatch of the noise (plus base) on the chosen backend; arguments as in the reference."""
     if backend != "triton":
-        return _coupled_noise_reference(seeds, positions, vocab, base)
+        return _coupled_noise_reference(seeds, positions, vocab_size, token_ids, base)
     from samplers import _triton_coupled
 
-    return _triton_coupled.coupled_noise_triton(seeds, positions, vocab, base)
+    return _triton_coupled.coupled_noise_triton(seeds, positions, vocab_size, token_ids, base)
 
 
 def _check_backend(backend) -> str:
@@ -193,6 +205,7 @@ def coupled_scores(
     check_inputs: bool = False,
     return_nonfinite: bool = False,
     params: SamplingParams | None = None,
+    token_ids: torch.Tensor | None = None,
     backend: str = "auto",
 ):
     """Noised processed log-probabilities log p(x) + G(seed, position, x): their argmax is the coupled sample.
@@ -203,6 +216,8 @@ def coupled_scores(
         temperature, top_k, top_p, min_p: per row, as in :func:`logits_to_probs` (scalar,
             list of B or tensor [B]); row b's N positions share row b's parameters.
         params: a built ``SamplingParams`` of B rows instead of those four (as in :func:`sample`).
+        token_ids: [V] integer, the token id keying each column's noise (a drafter over a
+            reduced vocabulary), or None: column j is token j.
         backend: where the noise is made, as in :func:`coupled_noise`.
         returns: float32 scores [B, V] or [B, N, V]; with ``return_nonfinite`` the
             :class:`SamplerOutput` ``(scores, nonfinite_rows [B] bool)`` with the attribute
@@ -219,12 +234,12 @@ def coupled_scores(
     """
     seeds, positions = _check(logits, seeds, positions, backend)
     params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
+    vocab, token_ids = _check_token_ids(token_ids, logits.shape[-1], logits.device)
     prep = prepare_logits(logits, nan_policy)  # masks and ``raise`` per batch row, before the flattening
     if logits.dim() == 3:  # row b*N + n holds logits[b, n]
         per_row = logits.shape[1]
         seeds, params = seeds.repeat_interleave(per_row), params.repeat(per_row)
-    vocab = logits.shape[-1]
-    scores = _noised_log_probs(prep.work.reshape(-1, vocab), seeds, positions.flatten(), params, backend)
+    scores = _noised_log_probs(prep.work.reshape(-1, vocab), seeds, positions.flatten(), token_ids, params, backend)
     scores = scores.view(logits.shape)
     if not return_nonfinite:
         return scores
@@ -284,17 +299,20 @@ def coupled_sample(
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the noised one-hot gives, without the [B, V] noise
     else:
-        ids = _noised_log_probs(prep.work, seeds, positions, params, backend).argmax(-1)
+        ids = _noised_log_probs(prep.work, seeds, positions, None, params, backend).argmax(-1)
     if not return_nonfinite:
         return ids
     return SamplerOutput(("ids", "nonfinite_rows"), ids=ids, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
 def _noised_log_probs(work: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                      params: SamplingParams, backend: str) -> torch.Tensor:
-    """log p + G for sanitized float32 logits. Shape: work [R, V], seeds/positions/params [R] -> [R, V]."""
+                      token_ids: torch.Tensor | None, params: SamplingParams, backend: str) -> torch.Tensor:
+    """log p + G for sanitized float32 logits.
+
+    Shape: work [R, V], seeds/positions/params [R], token_ids [V] or None -> float32 [R, V].
+    """
     log_p = process_logits(work, params).log_()  # probability 0 -> -inf: never the argmax
-    return _noise(seeds, positions, work.shape[-1], log_p, backend)
+    return _noise(seeds, positions, work.shape[-1], token_ids, log_p, backend)
 
 
 def _check(logits, seeds, positions, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +351,19 @@ def _check_keys(seeds, positions) -> tuple[torch.Tensor, torch.Tensor]:
     return seeds.long(), positions.long()
 
 
-def _check_vocab_size(vocab_size) -> int:
+def _check_token_ids(token_ids, vocab_size, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """-> (V, token_ids as int64 [V] or None): the vocabulary size and column ids checked."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral) or vocab_size < 1:
         raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
-    return int(vocab_size)
+    if token_ids is None:
+        return int(vocab_size), None
+    check_int_tensor(token_ids, "token_ids", 1)
+    check_shape(token_ids, "token_ids", (int(vocab_size),))
+    if token_ids.device != device:
+        raise ValueError(f"token_ids is on {token_ids.device} but the other tensors are on {device}")
+    return int(vocab_size), token_ids.long()
+
+
+def _tokens(vocab_size: int, token_ids: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The token id of each column, int64 [V]: ``token_ids``, or 0..V-1 when None."""
+    return torch.arange(vocab_size, dtype=torch.int64, device=device) if token_ids is None else token_ids

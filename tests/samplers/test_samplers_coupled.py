@@ -69,13 +69,10 @@ def _mutant_keyed_by_row(seeds, positions):
     return _original_position_keys(rows, positions)
 
 
-def _mutant_shared_counter(seeds, positions, vocab_size):
+def _mutant_shared_counter(seeds, positions, tokens):
     """Mutant: one counter for position and token (G(s, t, x) = G(s, 0, t + x)), so position t + 1
     sees position t's noise shifted by one token."""
-    seeds, positions = seeds.long(), positions.long()
-    seeds = seeds.view(seeds.shape + (1,) * (positions.dim() - 1))
     keys = coupled_mod._position_keys(seeds, torch.zeros_like(positions)).unsqueeze(-1)
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=positions.device)
     return coupled_mod._stream(keys, positions.unsqueeze(-1) + tokens)
 
 
@@ -159,7 +156,7 @@ def test_adjacent_positions_are_independent(name):
 
 @pytest.mark.parametrize(
     "attr, mutant",
-    [("_position_keys", _mutant_without_position), ("coupled_hash", _mutant_shared_counter)],
+    [("_position_keys", _mutant_without_position), ("_words", _mutant_shared_counter)],
     ids=["without_position", "shared_counter"],
 )
 def test_adjacent_positions_mutants_are_rejected(monkeypatch, attr, mutant):
@@ -300,6 +297,22 @@ def test_noise_over_positions_equals_one_position_at_a_time():
     assert not torch.equal(noise[0, 1], noise[1, 1])
 
 
+def test_token_ids_key_each_column_by_its_token():
+    # A drafter over a reduced vocabulary: column j gets the noise of token ids[j].
+    seeds, positions = torch.tensor([5, -9]), torch.tensor([[0, 1], [40, 41]])
+    ids = torch.tensor([7, 0, 3, 99, 12], dtype=torch.int32)
+    full = coupled_noise(seeds, positions, 100)
+    assert torch.equal(coupled_noise(seeds, positions, 5, token_ids=ids), full[..., ids.long()])
+    words = coupled_hash(seeds, positions, 5, token_ids=ids)
+    assert torch.equal(words, coupled_hash(seeds, positions, 100)[..., ids.long()])
+    logits = torch.randn(2, 2, 100)
+    want = coupled_scores(logits[..., ids.long()], seeds, positions, token_ids=None)  # keyed by columns 0..4
+    got = coupled_scores(logits[..., ids.long()], seeds, positions, token_ids=ids)
+    assert not torch.equal(got, want)
+    assert torch.equal(got, logits_to_probs(logits[..., ids.long()].flatten(0, 1)).log().view(2, 2, 5)
+                       + full[..., ids.long()])
+
+
 # ----------------------------------------------------------------------------- exact properties
 
 
@@ -433,6 +446,9 @@ def _one_row():
         (lambda x, s, p: coupled_noise(s, p[:1], 4), "positions"),
         (lambda x, s, p: coupled_noise(s, p, 4, backend="cuda"), "backend"),
         (lambda x, s, p: coupled_sample(x, s, p, backend=None), "backend"),
+        (lambda x, s, p: coupled_scores(x, s, p, token_ids=torch.arange(4)), "token_ids"),
+        (lambda x, s, p: coupled_scores(x, s, p, token_ids=torch.arange(5.0)), "token_ids"),
+        (lambda x, s, p: coupled_noise(s, p, 3, token_ids=torch.arange(3)[None]), "token_ids"),
     ],
 )
 def test_bad_arguments_name_the_argument(call, name):
@@ -518,6 +534,9 @@ def test_kernel_noise_equals_torch_bit_for_bit(kernel, vocab):
     assert torch.equal(coupled_noise(seeds, positions, vocab, backend="triton"), torch_noise)
     grid = torch.stack([positions, positions + 1], 1)  # [B, 2]
     assert torch.equal(coupled_noise(seeds, grid, vocab, backend="triton"), coupled_noise(seeds, grid, vocab))
+    ids = torch.randperm(3 * vocab, generator=torch.Generator().manual_seed(vocab))[:vocab].to(DEVICE)
+    assert torch.equal(coupled_noise(seeds, grid, vocab, token_ids=ids, backend="triton"),
+                       coupled_noise(seeds, grid, vocab, token_ids=ids))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -535,6 +554,9 @@ def test_kernel_scores_and_samples_equal_torch_bit_for_bit(kernel, dtype):
         assert torch.equal(got, want)
     assert torch.equal(coupled_sample(logits, seeds, positions, backend="triton", **params),
                        coupled_sample(logits, seeds, positions, **params))
+    ids = torch.arange(logits.shape[-1], device=DEVICE) * 3 + 1  # a reduced vocabulary's token ids
+    assert torch.equal(coupled_scores(logits, seeds, positions, token_ids=ids, backend="triton", **params),
+                       coupled_scores(logits, seeds, positions, token_ids=ids, **params))
 
 
 def test_kernel_on_cpu_without_the_interpreter_says_how_to_run_it(kernel, monkeypatch):
