@@ -6,8 +6,8 @@ is paired with a mutant patched into samplers.coupled that the same statistic re
 noise that is not Gumbel (-log u, an exponential), noise keyed without the position,
 noise keyed by the batch row instead of the seed, and position and token sharing one
 counter. The coupling itself: draws from p and q under one noise agree at the exact
-Gumbel-coupling rate. Then exact properties: the hash against a pure-Python uint64 reference, batch
-invariance, temperature 0, masks, argument errors and NaN rows.
+Gumbel-coupling rate. Then exact properties: the hash against a pure-Python uint64
+reference, batch invariance, temperature 0, masks, token ids, argument errors, NaN rows.
 
 The Triton kernel is compared with the torch path bit for bit, under TRITON_INTERPRET=1 on
 CPU-only machines (set only while its module is imported), compiled on CUDA ones.
