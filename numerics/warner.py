@@ -144,7 +144,7 @@ class AsyncNanWarner:
         self.warned = True
         logger.warning(
             "NaN detected in %s; logits are sanitized or handled per NanPolicy. "
-            "This warning is shown once per process; further NaN checks are disabled.",
+            "This warning is shown once per process; later NaN is still sanitized or handled, without a warning.",
             msg or _UNNAMED_SITE,
         )
 
