@@ -1,6 +1,8 @@
 """Command line of ``spec-bench``: ``spec-bench [numerics | gpu-check | profile | tune | compile | gemm] [OPTIONS]``.
 
-Bad input exits with status 2 and a one-line message naming the option (argparse's ``error``).
+Bad input exits with status 2 and a one-line message naming the option (argparse's ``error``), before any
+model loads: values when parsed (``spec_decode.bench.args``), then the files the run will read
+(``run.check_inputs``). The subcommands import ``args``, never this module.
 """
 
 from __future__ import annotations
@@ -11,101 +13,51 @@ import os
 import sys
 from pathlib import Path
 
-from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_KEYS, BenchConfig,
-                                      BenchInputError, default_dtype_name, default_fixtures_dir)
-from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
+from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_input_args, add_run_args, add_threads_arg,
+                                    csv_list, input_paths, nonneg_float, nonneg_int, positive_int, seed)
+from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DTYPE_NAMES, METHOD_KEYS,
+                                      BenchConfig, BenchInputError, default_dtype_name)
 
 SUBCOMMANDS = ("numerics", "gpu-check", "profile", "tune", "compile", "gemm")
-
-
-def csv_list(kind):
-    """An argparse type: a comma list of ``kind`` as a tuple (blank items dropped)."""
-    def parse(text: str):
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        try:
-            return tuple(kind(s) for s in items)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}") from None
-    return parse
-
-
-def add_input_args(p: argparse.ArgumentParser) -> None:
-    """The checkpoint and prompt options that ``spec-bench`` and its profile and tune subcommands share
-    (defaults: the shipped fixtures)."""
-    fx = default_fixtures_dir()
-    p.add_argument("--target", type=Path, default=fx / TARGET_SUBDIR, help="HF-layout target checkpoint")
-    p.add_argument("--draft-lm", type=Path, default=fx / DRAFT_SUBDIR,
-                   help="plain draft LM (draft_chain, hf_assisted)")
-    p.add_argument("--eagle", type=Path, default=fx / EAGLE_SUBDIR, help="EAGLE-1/2 head")
-    p.add_argument("--eagle3", type=Path, default=fx / EAGLE3_SUBDIR, help="EAGLE-3 head (optional)")
-    p.add_argument("--prompts", type=Path, default=fx / PROMPTS_FILE, help="JSONL with 'token_ids' per line")
-
-
-def input_paths(args: argparse.Namespace) -> dict:
-    """The ``BenchConfig`` fields of the options ``add_input_args`` adds."""
-    return {name: getattr(args, name) for name in ("target", "draft_lm", "eagle", "eagle3", "prompts")}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="spec-bench",
-        description="Compare autoregressive, HF generate/assisted and our speculative methods side by side; "
+        description="Compare autoregressive, HF generate/assisted and our speculative methods side by side, each "
+                    "generating exactly --max-new-tokens tokens per prompt (ignoring EOS); "
                     "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
                     "'spec-bench gpu-check -h', 'spec-bench profile -h', 'spec-bench tune -h', "
                     "'spec-bench compile -h', 'spec-bench gemm -h'.")
     add_input_args(p)
-    p.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--methods", type=csv_list(str), default=METHOD_KEYS, help=f"comma list of {','.join(METHOD_KEYS)}")
+    add_run_args(p, num_prompts=DEFAULT_NUM_PROMPTS, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--methods", type=csv_list(choices=METHOD_KEYS), default=METHOD_KEYS,
+                   help=f"comma list of {','.join(METHOD_KEYS)}")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
-    p.add_argument("--dtype", type=csv_list(str), default=None,
+    p.add_argument("--dtype", type=csv_list(choices=DTYPE_NAMES), default=None,
                    help="comma list of fp32,bf16; the first is the headline (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--temperatures", type=csv_list(float), default=(0.0, 1.0), help="comma list (default 0,1)")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="prompts per generate call for our methods (default 1 = latency setting; HF is always 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's); use 1 on a busy machine")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--nan-rounds", type=int, default=3,
+    p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0),
+                   help="comma list (default 0,1)")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="prompts per generate call for our methods, at most --num-prompts (default 1 = latency "
+                        "setting; HF is always 1)")
+    p.add_argument("--seed", type=seed, default=0, help="an integer in [0, 2**63) (default 0)")
+    add_threads_arg(p)
+    add_device_arg(p)
+    p.add_argument("--nan-rounds", type=nonneg_int, default=3,
                    help="rounds of the off/sanitize/abort/guard comparison (0 = skip)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_compile_arg(p)
     return p
 
 
-def add_compile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile our models (ar included), compiled during the warm-up calls")
-
-
-def resolve_device(name: str):
-    """The torch device of ``--device``; ValueError naming the option when it is not cpu or a present CUDA device."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"--device {name!r}: not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name}: spec-bench runs on cpu or cuda")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of parsed arguments; ValueError naming the option on bad values."""
-    device = resolve_device(args.device)
-    dtypes = args.dtype or (default_dtype_name(device.type),)
+    dtypes = args.dtype or (default_dtype_name(args.device.type),)
     return BenchConfig(
         **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), dtypes=tuple(dtypes),
-        batch_size=args.batch_size, seed=args.seed, threads=args.threads, device=str(device),
+        batch_size=args.batch_size, seed=args.seed, threads=args.threads, device=str(args.device),
         nan_rounds=args.nan_rounds, progress=not args.no_progress, compile=args.compile)
 
 

@@ -3,7 +3,8 @@
 Two copies of the target and the EAGLE head, one compiled in place; ``ar`` and ``eagle_chain`` (4/1/5)
 on each, greedy, prompts interleaved (every decoder runs prompt i before any runs prompt i+1), after
 one warm-up call each (which pays the compilation). Prints tokens/s, the ratios to eager ``ar``, and
-whether the greedy outputs agree (speculative against ``ar`` of the same kind).
+whether the greedy outputs agree (speculative against ``ar`` of the same kind). Every call generates
+exactly ``--max-new-tokens`` tokens (EOS ignored).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import time
 
 import torch
 
-from spec_decode.bench.cli import add_input_args
-from spec_decode.bench.config import METHOD_SPECS, load_prompts
+from spec_decode.bench.args import add_input_args, add_run_args, add_threads_arg
+from spec_decode.bench.config import METHOD_SPECS, BenchInputError, check_room, load_prompts
 from spec_decode.bench.machine import torch_threads
-from spec_decode.dtypes import torch_dtype
+from spec_decode.dtypes import DTYPE_NAMES, torch_dtype
 
 
 def ar_and_chain(target_path, eagle_path, dtype, tag: str, *, compile: bool = False, prepare=None) -> dict:
@@ -46,12 +47,13 @@ def decoders(target_path, eagle_path, dtype, compile: bool) -> dict:
 def measure(decs: dict, prompts, warm, max_new_tokens: int) -> tuple[dict, dict]:
     """Interleaved greedy calls. Returns ({name: seconds}, {name: outputs})."""
     for dec in decs.values():
-        dec.generate([warm], max_new_tokens=max_new_tokens)
+        dec.generate([warm], max_new_tokens=max_new_tokens, ignore_eos=True)
     seconds, outputs = dict.fromkeys(decs, 0.0), {k: [] for k in decs}
     for prompt in prompts:
         for name, dec in decs.items():
             t0 = time.perf_counter()
-            outputs[name] += [r.token_ids for r in dec.generate([prompt], max_new_tokens=max_new_tokens)]
+            outputs[name] += [r.token_ids for r in dec.generate([prompt], max_new_tokens=max_new_tokens,
+                                                                 ignore_eos=True)]
             seconds[name] += time.perf_counter() - t0
     return seconds, outputs
 
@@ -59,25 +61,36 @@ def measure(decs: dict, prompts, warm, max_new_tokens: int) -> tuple[dict, dict]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-bench compile", description=__doc__.split("\n\n")[0])
     add_input_args(p)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    add_run_args(p, num_prompts=16, max_new_tokens=64)
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="fp32 or bf16 (default fp32)")
+    add_threads_arg(p, default=1)
     return p
+
+
+def checked_prompts(args, extra: int = 0) -> list[list[int]]:
+    """Check the target and the EAGLE head (``run.check_models``) and read ``args.num_prompts + extra`` prompts
+    (and the one after, when present; none when ``args.num_prompts`` is 0) whose longest must leave room for
+    ``args.max_new_tokens``, without loading a model. Raises BenchInputError naming the option at fault."""
+    from spec_decode.bench.run import check_models
+
+    config = check_models(args.target, {"eagle": args.eagle})
+    if not args.num_prompts:
+        return []
+    prompts = load_prompts(args.prompts, args.num_prompts + extra, config.vocab_size)
+    check_room(args.max_new_tokens, config.max_position_embeddings, prompts)
+    return prompts
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        p.error("--num-prompts and --max-new-tokens must be >= 1")
+    dtype = torch_dtype(args.dtype)
     try:
-        dtype = torch_dtype(args.dtype)
-    except ValueError as e:
-        p.error(f"--dtype: {e}")
+        prompts = checked_prompts(args)
+    except BenchInputError as e:
+        p.error(str(e))
     with torch_threads(args.threads):
         decs = {**decoders(args.target, args.eagle, dtype, False), **decoders(args.target, args.eagle, dtype, True)}
-        prompts = load_prompts(args.prompts, args.num_prompts, decs["ar eager"].target.config.vocab_size)
         seconds, outputs = measure(decs, prompts[:args.num_prompts], prompts[-1], args.max_new_tokens)
     tokens = args.num_prompts * args.max_new_tokens
     base = tokens / seconds["ar eager"]

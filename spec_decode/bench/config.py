@@ -16,6 +16,7 @@ DTYPE_NAMES = ("fp32", "bf16")
 NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 64
+SEED_LIMIT = 2**63   # seeds are ints in [0, SEED_LIMIT), the library's range (``SpecDecoder.generate``)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,23 @@ def default_dtype_name(device_type: str) -> str:
     return "bf16" if device_type == "cuda" else "fp32"
 
 
+def fit_seed(seed: int, rows: int = 1) -> int:
+    """``seed`` folded into the library's range for a call of ``rows`` prompts (prompt ``i`` gets ``seed + i``,
+    which must stay below 2**63); unchanged when it fits, so small seeds reproduce as before."""
+    return seed % (SEED_LIMIT - rows + 1)
+
+
+def check_room(max_new_tokens: int, positions: int, prompts, option: str = "--max-new-tokens") -> None:
+    """Raise BenchInputError naming ``option`` when the longest of ``prompts`` plus ``max_new_tokens`` new tokens
+    exceeds the target's ``positions`` (``max_position_embeddings``): the library would refuse the call."""
+    longest = max(map(len, prompts), default=0)
+    if longest + max_new_tokens > positions:
+        fits = f"; at most {positions - longest} fit" if positions > longest else ""
+        raise BenchInputError(f"{option} {max_new_tokens}: the longest prompt read has {longest} tokens, and "
+                              f"{longest} + {max_new_tokens} exceeds the target's max_position_embeddings "
+                              f"({positions}){fits}")
+
+
 def default_fixtures_dir() -> Path:
     """The shipped fixtures (``spec_decode.fixtures.find_fixtures_dir``), else ``./fixtures`` so that errors name it."""
     return find_fixtures_dir() or Path("fixtures")
@@ -146,6 +164,12 @@ class BenchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.batch_size > self.num_prompts:
+            raise ValueError(f"--batch-size {self.batch_size} exceeds --num-prompts {self.num_prompts}: a batch "
+                             "holds at most every measured prompt")
+        for name, values in (("methods", self.methods), ("dtype", self.dtypes), ("temperatures", self.temperatures)):
+            if len(set(values)) != len(values):
+                raise ValueError(f"--{name}: a value is listed twice in {list(values)}")
         if self.nan_rounds < 0:
             raise ValueError(f"--nan-rounds must be >= 0, got {self.nan_rounds}")
         if self.threads is not None and self.threads < 1:
@@ -193,10 +217,12 @@ class BenchConfig:
 def load_prompts(path: Path, n: int, vocab_size: int, first: int = 0) -> list[list[int]]:
     """Token ids of ``n + 1`` prompts from the ``first``-th on (the extra one is the warm-up prompt when present).
 
-    Raises BenchInputError (a ValueError) naming ``--prompts`` and the line when a line lacks
-    ``token_ids`` or an id lies outside ``[0, vocab_size)``, and naming ``--num-prompts`` when the
-    file holds fewer than ``first + n`` prompts.
+    Raises BenchInputError (a ValueError) naming ``--prompts`` when there is no such file, or naming it and
+    the line when a line lacks ``token_ids`` or an id lies outside ``[0, vocab_size)``, and naming
+    ``--num-prompts`` when the file holds fewer than ``first + n`` prompts.
     """
+    if not Path(path).is_file():
+        raise BenchInputError(f"--prompts: no file at {path}")
     prompts = []
     skip = first
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -20,9 +20,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from spec_decode.bench.cli import add_input_args, csv_list
-from spec_decode.bench.config import load_prompts
+from spec_decode.bench.args import add_input_args, csv_list, nonneg_int, positive_int
+from spec_decode.bench.config import BenchInputError
 from spec_decode.bench.machine import torch_threads
+from spec_decode.dtypes import DTYPE_NAMES
 
 
 def projection_shapes(*modules) -> list[tuple[int, int]]:
@@ -89,29 +90,28 @@ def decoders(target_path, eagle_path, dtype) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-bench gemm", description=__doc__.split("\n\n")[0])
     add_input_args(p)
-    p.add_argument("--rows", type=csv_list(int), default=(1, 2, 3, 5, 8, 16), help="comma list (default 1,2,3,5,8,16)")
-    p.add_argument("--repeats", type=int, default=1000, help="calls per projection timing (median)")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts of the end-to-end part (0 skips it)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="fp32", help="fp32 or bf16: the models' dtype in the end-to-end part")
+    p.add_argument("--rows", type=csv_list(positive_int), default=(1, 2, 3, 5, 8, 16),
+                   help="comma list (default 1,2,3,5,8,16)")
+    p.add_argument("--repeats", type=positive_int, default=1000, help="calls per projection timing (median)")
+    p.add_argument("--num-prompts", type=nonneg_int, default=8, help="prompts of the end-to-end part (0 skips it)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
+                   help="fp32 or bf16: the models' dtype in the end-to-end part")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from spec_decode import cpu_gemm
-    from spec_decode.bench.compile_ab import measure
+    from spec_decode.bench.compile_ab import checked_prompts, measure
     from spec_decode.dtypes import torch_dtype
 
     p = build_parser()
     args = p.parse_args(argv)
-    if not args.rows or min(args.rows) < 1:
-        p.error(f"--rows must be a comma list of ints >= 1, got {args.rows}")
-    if args.repeats < 1 or args.num_prompts < 0 or args.max_new_tokens < 1:
-        p.error("--repeats and --max-new-tokens must be >= 1, --num-prompts >= 0")
-    try:
-        dtype = torch_dtype(args.dtype)
-    except ValueError as e:
-        p.error(f"--dtype: {e}")
+    dtype = torch_dtype(args.dtype)
+    try:   # the end-to-end part warms up on the prompt after the measured ones
+        prompts = checked_prompts(args, extra=1)
+    except BenchInputError as e:
+        p.error(str(e))
     if not cpu_gemm.available():
         print("the panel kernel is not available on this machine (see spec_decode.cpu_gemm)")
         return 1
@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts == 0:
         return 0
     with torch_threads(1):
-        prompts = load_prompts(args.prompts, args.num_prompts + 1, decs["ar on"].target.config.vocab_size)
         seconds, outputs = measure(decs, prompts[:args.num_prompts], prompts[-1], args.max_new_tokens)
     tokens = args.num_prompts * args.max_new_tokens
     print(f"end to end: {args.dtype}, {args.num_prompts} prompts x {args.max_new_tokens} tokens, greedy, 1 thread")

@@ -1,7 +1,8 @@
 """Runners: one object per method key with the same ``generate`` call, ours and Hugging Face's.
 
 Every runner generates exactly ``max_new_tokens`` tokens per prompt: EOS stopping is disabled for
-all methods (no stop ids for ours; ``eos_token_id=None`` for HF), so tokens/s compares equal work.
+all methods (``generate(ignore_eos=True)`` and no stop ids for ours; ``eos_token_id=None``, in the call and
+in the model's ``generation_config``, for HF), so tokens/s compares equal work.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import DRAFTER_OPTIONS, BenchInputError, MethodSpec
+from spec_decode.bench.config import DRAFTER_OPTIONS, BenchInputError, MethodSpec, fit_seed
 from spec_decode.bench.machine import Stopwatch
 from spec_decode.dtypes import torch_dtype
 
@@ -65,7 +66,7 @@ class OursRunner:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         with Stopwatch(self.decoder.target.device) as sw:
             results = self.decoder.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                            seed=seed if temperature > 0 else None)
+                                            seed=seed if temperature > 0 else None, ignore_eos=True)
         accepted = [n for r in results for n in r.accepted_lengths] if self.spec.speculative else []
         return CallResult([r.token_ids for r in results], accepted, list(self.decoder.last_stats.step_s),
                           sw.seconds)
@@ -93,7 +94,7 @@ class HFRunner:
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=device)
             if temperature > 0:
-                torch.manual_seed(seed * 1009 + i)
+                torch.manual_seed(fit_seed(seed * 1009 + i))
             extra = {} if self.assistant is None else {"assistant_model": self.assistant}
             with torch.inference_mode(), Stopwatch(device) as sw:
                 seq = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from spec_decode.bench.args import add_threads_arg, csv_list, nonneg_int, positive_float, positive_int
+from spec_decode.bench.config import BenchInputError, check_out_dir
 from spec_decode.dtypes import DTYPES as ALL_DTYPES
 
 ROWS_PER_REQUEST = 8
@@ -171,25 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
     p.add_argument("--full", action="store_true",
                    help=f"rows {FULL_ROWS} x vocab {FULL_VOCABS} (default rows {DEFAULT_ROWS} x vocab {DEFAULT_VOCABS})")
-    p.add_argument("--rows", default=None, help="comma list of row counts (multiples of 8), overrides --full")
-    p.add_argument("--vocabs", default=None, help="comma list of vocab sizes, overrides --full")
-    p.add_argument("--dtypes", default="bf16,fp32", help="comma list of bf16,fp32")
-    p.add_argument("--device", default="all", help="all (CPU, plus CUDA when present), cpu or cuda")
-    p.add_argument("--min-run-time", type=float, default=0.2, help="seconds of timing per implementation")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--nan-every", type=int, default=0,
+    p.add_argument("--rows", type=csv_list(positive_int), default=None,
+                   help="comma list of row counts (multiples of 8), overrides --full")
+    p.add_argument("--vocabs", type=csv_list(positive_int), default=None,
+                   help="comma list of vocab sizes, overrides --full")
+    p.add_argument("--dtypes", type=csv_list(choices=tuple(DTYPES)), default="bf16,fp32",
+                   help="comma list of bf16,fp32")
+    p.add_argument("--device", default="all", choices=("all", "cpu", "cuda"),
+                   help="all (CPU, plus CUDA when present), cpu or cuda")
+    p.add_argument("--min-run-time", type=positive_float, default=0.2,
+                   help="seconds of timing per implementation (finite, > 0)")
+    add_threads_arg(p)
+    p.add_argument("--nan-every", type=nonneg_int, default=0,
                    help="0 (default): clean logits. k >= 1: a NaN in every k-th row, counts-only impls")
     return p
-
-
-def _int_list(text: str, option: str, parser) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        parser.error(f"{option}: expected a comma list of integers, got {text!r}")
-    if not vals or any(v < 1 for v in vals):
-        parser.error(f"{option}: expected positive integers, got {text!r}")
-    return vals
 
 
 def run_numerics(devices, dtypes, rows_list, vocabs, min_run_time: float, progress: bool = True,
@@ -210,23 +207,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    rows_list = _int_list(args.rows, "--rows", parser) if args.rows else (FULL_ROWS if args.full else DEFAULT_ROWS)
+    rows_list = args.rows or (FULL_ROWS if args.full else DEFAULT_ROWS)
     if any(r % ROWS_PER_REQUEST for r in rows_list):
         parser.error(f"--rows: each value must be a multiple of {ROWS_PER_REQUEST} (rows per request)")
-    vocabs = _int_list(args.vocabs, "--vocabs", parser) if args.vocabs else (FULL_VOCABS if args.full else DEFAULT_VOCABS)
-    dtypes = tuple(s.strip() for s in args.dtypes.split(",") if s.strip())
-    if not dtypes or any(d not in DTYPES for d in dtypes):
-        parser.error(f"--dtypes: expected a comma list of {','.join(DTYPES)}, got {args.dtypes!r}")
-    if args.min_run_time <= 0:
-        parser.error(f"--min-run-time must be > 0, got {args.min_run_time}")
-    if args.device not in ("all", "cpu", "cuda"):
-        parser.error(f"--device: expected all, cpu or cuda, got {args.device!r}")
+    vocabs = args.vocabs or (FULL_VOCABS if args.full else DEFAULT_VOCABS)
+    dtypes = args.dtypes
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1, got {args.threads}")
-    if args.nan_every < 0:
-        parser.error(f"--nan-every must be >= 0, got {args.nan_every}")
+    try:
+        out_dir = check_out_dir(args.out)
+    except BenchInputError as e:
+        parser.error(str(e))
     devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
     if args.device in ("all", "cuda") and torch.cuda.is_available():
         devices.append(torch.device("cuda"))
@@ -246,11 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                       "bytes": "numel * itemsize (one read)", "fraction_of_copy": "copy time / impl time",
                       "vs_nan_only": "impl time / nan_only_torch time"},
            "results": records}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "numerics.json", "w") as f:
+    with open(out_dir / "numerics.json", "w") as f:
         json.dump(out, f, indent=2)
     print(markdown_table(records))
-    print(f"wrote {args.out / 'numerics.json'}")
+    print(f"wrote {out_dir / 'numerics.json'}")
     return 0
 
 

@@ -30,12 +30,13 @@ import json
 import pstats
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from spec_decode.bench.cli import add_compile_arg, add_input_args, input_paths, resolve_device
-from spec_decode.bench.config import METHOD_SPECS, BenchConfig, BenchInputError, default_dtype_name, load_prompts
+from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_dtype_arg, add_input_args, add_run_args,
+                                    add_threads_arg, input_paths, new_file, nonneg_float, nonneg_int)
+from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, METHOD_SPECS, BenchConfig, BenchInputError,
+                                      default_dtype_name, load_prompts)
 from spec_decode.bench.machine import sync, torch_threads
 
 AR_STEP = "ar_step"
@@ -200,7 +201,7 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     if not prompts:
         raise ValueError("prompts must not be empty")
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                    seed=seed if temperature > 0 else None)
+                    seed=seed if temperature > 0 else None, ignore_eos=True)
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
@@ -336,7 +337,7 @@ def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: in
     prof.enable()
     for p in prompts:
         decoder.generate([p], max_new_tokens=max_new_tokens, temperature=temperature,
-                         seed=seed if temperature > 0 else None)
+                         seed=seed if temperature > 0 else None, ignore_eos=True)
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
@@ -348,15 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-bench profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="eagle_chain", help=f"one of {','.join(ours)} (default eagle_chain)")
     add_input_args(p)
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (use 1 on a busy machine)")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--cprofile", type=int, default=0, metavar="N",
-                   help="also print the top N functions by own time, from a separate cProfile pass")
-    p.add_argument("--json", type=Path, default=None, help="also write the split to this JSON file")
+    add_run_args(p, num_prompts=8, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--temperature", type=nonneg_float, default=0.0)
+    add_dtype_arg(p)
+    add_threads_arg(p)
+    add_device_arg(p)
+    p.add_argument("--cprofile", type=nonneg_int, default=0, metavar="N",
+                   help="also print the top N functions by own time, from a separate cProfile pass (0: none)")
+    p.add_argument("--json", type=new_file, default=None,
+                   help="also write the split to this JSON file (its directory must exist)")
     add_compile_arg(p)
     return p
 
@@ -372,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None or not spec.speculative:
         p.error(f"--method: expected one of our speculative methods, got {args.method!r}")
     try:
-        device = resolve_device(args.device)
+        device = args.device
         dtype = args.dtype or default_dtype_name(device.type)
         cfg = BenchConfig(**input_paths(args), methods=("ar", args.method), num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperatures=(args.temperature,), dtypes=(dtype,),

@@ -9,7 +9,8 @@ Measurement protocol (why each choice):
   batch. On a shared machine absolute speed drifts; interleaving makes the drift hit every method
   alike, so the ratios stay honest.
 * ``tokens_per_s`` = generated tokens / summed wall time of the measured ``generate`` calls
-  (prefill included). Every method generates exactly ``max_new_tokens`` tokens per prompt.
+  (prefill included). Every method generates exactly ``max_new_tokens`` tokens per prompt: EOS is
+  ignored (``generate(ignore_eos=True)``; HF with ``eos_token_id=None``), so that tokens/s compares equal work.
 * NaN-policy cost: EAGLE-tree decoders with policy off / sanitize / abort / guard share one target
   and head and run each prompt batch back to back, in rotated order; the overhead is the median paired
   step-time difference over the median ``off`` step (``nan_policy_stage``).
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from spec_decode.bench.config import (DRAFTER_OPTIONS, METHOD_SPECS, NAN_MODES, BenchConfig, BenchInputError,
-                                      check_out_dir, load_prompts)
+                                      check_out_dir, check_room, fit_seed, load_prompts)
 from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync, weight_bytes
 from spec_decode.bench.methods import DRAFTER_METHODS, ModelCache, checked_load
 
@@ -93,13 +94,28 @@ def write_results(results: dict, out: Path, name: str = "results.json") -> None:
     tmp.replace(out / name)
 
 
-def check_inputs(cfg: BenchConfig, keys) -> int:
+def check_inputs(cfg: BenchConfig, keys, first: int = 0) -> int:
     """Check every input the run will read before anything runs; return the target's vocabulary size.
 
-    Reads the configs and the weight files' headers (``read_key_names``; a truncated safetensors
-    file fails there) of the target and of every drafter the methods and the NaN stage need, checks
-    each drafter's layout against its option (``drafter_layout``), then reads the prompts. Raises
-    BenchInputError naming the option at fault.
+    The checkpoints of the target and of every drafter the methods and the NaN stage need
+    (``check_models``); then the prompts from the ``first``-th on, the measured ones and the warm-up
+    prompt after them (``load_prompts``), whose longest plus ``max_new_tokens`` must fit the target's
+    positions (``check_room``). Raises BenchInputError naming the option at fault.
+    """
+    drafters = {METHOD_SPECS[k].drafter for k in keys} | ({"eagle"} if _nan_stage_runs(cfg) else set())
+    config = check_models(cfg.target, {name: cfg.drafter_path(name) for name in sorted(drafters - {None})})
+    prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, config.vocab_size, first=first)
+    check_room(cfg.max_new_tokens, config.max_position_embeddings, prompts)
+    return config.vocab_size
+
+
+def check_models(target, drafters: dict):
+    """Read the config and the weight files' headers of checkpoint ``target`` and of each drafter
+    (``{"eagle": path, ...}``, names as ``MethodSpec.drafter``), without loading weights; return the target's
+    ``ModelConfig``.
+
+    A truncated safetensors file fails at its header (``read_key_names``); each drafter's layout must
+    match its option (``drafter_layout``). Raises BenchInputError naming the option at fault.
     """
     from spec_decode.checkpoint import read_key_names
     from spec_decode.eagle import drafter_layout
@@ -109,16 +125,14 @@ def check_inputs(cfg: BenchConfig, keys) -> int:
         config = checked_load(option, path, lambda: ModelConfig.from_pretrained(path))
         return config, checked_load(option, path, lambda: read_keys(path))
 
-    vocab = check("--target", cfg.target)[0].vocab_size
-    drafters = {METHOD_SPECS[k].drafter for k in keys} | ({"eagle"} if _nan_stage_runs(cfg) else set())
-    for name in sorted(drafters - {None}):
-        option, path = DRAFTER_OPTIONS[name], cfg.drafter_path(name)
+    config = check("--target", target)[0]
+    for name, path in drafters.items():
+        option = DRAFTER_OPTIONS[name]
         layout = check(option, path, drafter_layout)[1]
         if layout != DRAFTER_METHODS[name]:
             raise BenchInputError(f"{option} {path}: holds a {layout!r} drafter, {option} takes a "
                                   f"{DRAFTER_METHODS[name]!r} one")
-    load_prompts(Path(cfg.prompts), cfg.num_prompts, vocab)
-    return vocab
+    return config
 
 
 def _work_units(cfg: BenchConfig, keys) -> int:
@@ -139,10 +153,11 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
     d["method_configs"] = {k: METHOD_SPECS[k].describe() for k in cfg.methods}
     d["headline_dtype"] = cfg.dtypes[0]
     d["hf_batch_size"] = 1
+    d["ignore_eos"] = True
     d["notes"] = [
         f"batch_size={cfg.batch_size} prompts per generate call for our methods (1 = latency setting); "
         "HF methods always run one prompt per call (assisted generation supports batch 1 only).",
-        "EOS stopping is disabled for every method: each prompt gets exactly max_new_tokens tokens.",
+        "EOS stopping is disabled for every method (ignore_eos): each prompt gets exactly max_new_tokens tokens.",
         "tokens_per_s = generated tokens / summed wall time of generate calls (prefill included), "
         "after one warm-up call per method and temperature on a prompt outside the measured set.",
         "p50/p90_step_ms: per verify step for our methods; for HF methods, each call's time per "
@@ -173,18 +188,19 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
     weights = {k: weight_bytes(*runners[k].modules) for k in keys}
 
     warm_batch = {k: [warm] if METHOD_SPECS[k].engine == "hf" else [warm] * cfg.batch_size for k in keys}
+    warm_seed = fit_seed(cfg.seed, cfg.batch_size)
     by_temp: dict[str, dict] = {}
     runtime_mem: dict[str, int] = {}
     for temp in cfg.temperatures:
         for k in keys:   # warm-up
-            runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
+            runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, warm_seed)
             bar.update(1)
         if not runtime_mem:
             # Measured after every method's warm-up, so that one-time process costs (thread pools,
             # first allocations) do not land on whichever method runs first.
             for k in keys:
                 with PeakMemory(device) as mem:
-                    runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, cfg.seed)
+                    runners[k].generate(warm_batch[k], cfg.max_new_tokens, temp, warm_seed)
                 runtime_mem[k] = mem.peak_increase
                 bar.update(1)
         calls = measure_interleaved(runners, batches, cfg.max_new_tokens, temp, cfg.seed, bar)
@@ -215,12 +231,14 @@ def measure_interleaved(runners: dict, batches, max_new_tokens: int, temperature
     """One ``generate`` call per runner and prompt batch, interleaved: batch b of every runner, then
     batch b + 1, the runner order rotated per batch (the module docstring says why).
 
-    Batch b is seeded ``seed * 100003 + b`` for every runner. Returns runner key -> list of CallResult.
+    Batch b is seeded ``seed * 100003 + b`` for every runner (``fit_seed``: folded into the library's seed
+    range). Returns runner key -> list of CallResult.
     """
     calls = {k: [] for k in runners}
     for b, batch in enumerate(batches):
         for k in _rotate(tuple(runners), b):
-            calls[k].append(runners[k].generate(batch, max_new_tokens, temperature, seed * 100003 + b))
+            calls[k].append(runners[k].generate(batch, max_new_tokens, temperature,
+                                                fit_seed(seed * 100003 + b, len(batch))))
             if bar is not None:
                 bar.update(1)
     return calls
@@ -397,7 +415,7 @@ def assert_sync_free_nan_pass(decoder, prompts, max_new_tokens: int) -> int:
 
     decoder._nan_pass = checked
     try:
-        decoder.generate(prompts, max_new_tokens=max_new_tokens)
+        decoder.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True)
     finally:
         del decoder._nan_pass
     sync(decoder.target.device)

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.cli import add_input_args, csv_list, input_paths, resolve_device
+from spec_decode.bench.args import (add_device_arg, add_dtype_arg, add_input_args, add_run_args, add_threads_arg,
+                                    csv_list, input_paths, nonneg_float, nonneg_int, seed)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_SPECS, BenchConfig,
-                                      BenchInputError, MethodSpec, check_out_dir, default_dtype_name, load_prompts)
+                                      BenchInputError, MethodSpec, check_out_dir, default_dtype_name, fit_seed,
+                                      load_prompts)
 from spec_decode.bench.machine import torch_threads
 from spec_decode.drafting import check_score_temperature
 
@@ -133,7 +135,7 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
     drafter, base = DRAFTERS[method], base_method_key(method)
     if cfg.resolve_methods() != ("ar", base):
         raise BenchInputError(f"--method {method}: {cfg.skipped[base]}")
-    vocab = check_inputs(cfg, ("ar", base))
+    vocab = check_inputs(cfg, ("ar", base), first=first_prompt)
     prompts = load_prompts(cfg.prompts, cfg.num_prompts, vocab, first=first_prompt)
     measured = [[p] for p in prompts[:cfg.num_prompts]]
     warm = [prompts[-1]]   # the prompt after the measured ones, when the file has it
@@ -153,7 +155,7 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
         with tqdm(total=total, desc="spec-bench tune", unit="call", disable=not cfg.progress) as bar:
             for temp in cfg.temperatures:
                 for r in runners.values():   # warm-up
-                    r.generate(warm, cfg.max_new_tokens, temp, cfg.seed)
+                    r.generate(warm, cfg.max_new_tokens, temp, fit_seed(cfg.seed))
                     bar.update(1)
                 calls = measure_interleaved(runners, measured, cfg.max_new_tokens, temp, cfg.seed, bar)
                 entries = {k: summarize_calls(c) for k, c in calls.items()}
@@ -201,20 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="eagle", choices=tuple(DRAFTERS),
                    help="the drafter to tune: --eagle, --eagle3 or --draft-lm (default eagle)")
     add_input_args(p)
-    p.add_argument("--first-prompt", type=int, default=DEFAULT_FIRST_PROMPT,
+    p.add_argument("--first-prompt", type=nonneg_int, default=DEFAULT_FIRST_PROMPT,
                    help=f"index of the first prompt used (default {DEFAULT_FIRST_PROMPT}: after spec-bench's "
                         "measured and warm-up prompts)")
-    p.add_argument("--num-prompts", type=int, default=DEFAULT_TUNE_PROMPTS)
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    add_run_args(p, num_prompts=DEFAULT_TUNE_PROMPTS, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES,
                    help="comma list of num_steps/topk/num_draft_tokens, a tree optionally with @score_temperature "
                         "(default: "
                         f"{','.join(shape_key(s) for s in DEFAULT_SHAPES)})")
-    p.add_argument("--temperatures", type=csv_list(float), default=(0.0, 1.0), help="comma list (default 0,1)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads; use 1 on a busy machine")
-    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0), help="comma list (default 0,1)")
+    add_dtype_arg(p)
+    p.add_argument("--seed", type=seed, default=0, help="an integer in [0, 2**63) (default 0)")
+    add_threads_arg(p)
+    add_device_arg(p)
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -224,10 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     """``spec-bench tune``; returns the exit code (2 with a message naming the option on bad input)."""
     p = build_parser()
     args = p.parse_args(argv)
-    if args.first_prompt < 0:
-        p.error(f"--first-prompt must be >= 0, got {args.first_prompt}")
     try:
-        device = resolve_device(args.device)
+        device = args.device
         dtype = args.dtype or default_dtype_name(device.type)
         cfg = BenchConfig(**input_paths(args), out=args.out, methods=("ar", base_method_key(args.method)),
                           num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -340,7 +341,8 @@ def test_bad_input_exits_2_naming_the_option(fake_fixtures, tmp_path, capsys, pr
         main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"spec-bench: error: {option}"), err[-1]   # one line, the option first
+    # one line, the option first (argparse says "argument --option" for a value its type rejects)
+    assert re.match(rf"spec-bench: error: (argument )?{option}\b", err[-1]), err[-1]
     assert needle in err[-1]
     assert "Traceback" not in "\n".join(err)
     assert not (out / "results.json").exists()   # nothing ran
@@ -403,7 +405,7 @@ class _FakeDecoder:
         self.phase_timer = lambda name: nullcontext()
         self.last_stats = types.SimpleNamespace(step_s=[])
 
-    def generate(self, prompts, *, max_new_tokens, temperature, seed):
+    def generate(self, prompts, *, max_new_tokens, temperature, seed, ignore_eos):
         self.last_stats = types.SimpleNamespace(step_s=[])
         for _ in range(2):
             t0 = self.clock.t
@@ -602,10 +604,10 @@ def test_the_cprofile_pass_runs_at_the_splits_temperature():
 
     dec = Recorder()
     assert "function calls" in cprofile_top(dec, [[1, 2], [3]], 4, 5, temperature=1.0, seed=7)
-    assert dec.calls == [dict(max_new_tokens=4, temperature=1.0, seed=7)] * 2
+    assert dec.calls == [dict(max_new_tokens=4, temperature=1.0, seed=7, ignore_eos=True)] * 2
     greedy = Recorder()
     cprofile_top(greedy, [[1]], 4, 5)
-    assert greedy.calls == [dict(max_new_tokens=4, temperature=0.0, seed=None)]
+    assert greedy.calls == [dict(max_new_tokens=4, temperature=0.0, seed=None, ignore_eos=True)]
 
 
 def _recording_decoders(fake_fixtures, **kw):

@@ -244,7 +244,7 @@ def test_the_largest_seed_runs_sampled_batches(fx, tmp_path):
 
 
 def test_tune_reads_the_prompts_it_measures_for_the_position_check(fx, tmp_path, capsys, no_work):
-    """From --first-prompt 1 the longest prompt read is 11 tokens, and 11 + 246 > 256 (from prompt 0 it is 8: 254 fit)."""
+    """From --first-prompt 1 the longest prompt read is 11 tokens, and 11 + 246 > 256 (from prompt 0: 8 + 246 fit)."""
     argv = [str(a) for a in _base("tune", fx, tmp_path)] + ["--first-prompt", "1", "--max-new-tokens", "246"]
     with pytest.raises(SystemExit):
         main(argv)

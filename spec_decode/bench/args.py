@@ -1,0 +1,207 @@
+"""The checks of ``spec-bench``'s option values and the options its subcommands share: one place for each rule.
+
+Every value is checked when the command line is parsed, before any checkpoint is read: each function
+here named for a kind of value is an argparse ``type=``, and a bad value raises ArgumentTypeError,
+which argparse reports on one line naming the option as the user typed it
+(``spec-bench tune: error: argument --seed: ...``) with exit status 2.
+
+Rules (the same in every subcommand):
+
+* counts (``--num-prompts``, ``--max-new-tokens``, ``--threads``, ``--batch-size``, ...) are integers >= 1
+  (``positive_int``); ``--nan-rounds``, ``--cprofile``, ``--first-prompt``: integers >= 0 (``nonneg_int``);
+* temperatures are finite numbers >= 0 (``nonneg_float``); times are finite and > 0 (``positive_float``):
+  a NaN time limit never ends;
+* seeds are integers in [0, 2**63) (``seed``), the library's range;
+* comma lists (``csv_list``) are non-empty, with no empty item and no item twice: ``ar,,eagle_chain`` is a
+  typo, not two methods, and a repeated method or dtype would be measured twice under one key;
+* ``--device`` (``device``): ``auto``, ``cpu`` (no index: there is one CPU device) or ``cuda[:N]`` with a
+  present ``N``;
+* ``--json`` (``new_file``): a file whose directory exists, checked before the run it would end.
+
+This module imports nothing of the benchmark's but ``config`` and ``fixtures``, so that the
+subcommands and ``cli`` can all import it without importing one another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from spec_decode.bench.config import DTYPE_NAMES, SEED_LIMIT, default_fixtures_dir
+from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
+
+DEVICES = "auto, cpu, cuda or cuda:N"
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = _int(text, "an integer >= 1")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = _int(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _finite(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    """An argparse type: a finite number >= 0 (a temperature)."""
+    value = _finite(text, "a finite number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a time limit; NaN would never be reached)."""
+    value = _finite(text, "a finite number > 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """An argparse type: an integer in [0, 2**63), the library's seed range."""
+    value = _int(text, "an integer in [0, 2**63)")
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
+def csv_list(kind=str, choices=None):
+    """An argparse type: a comma list of ``kind`` (a type such as ``positive_int``) as a tuple.
+
+    The list must be non-empty, hold no empty item and no value twice (``"0,0.0"`` is one temperature
+    twice), and each item must be one of ``choices`` when given.
+    """
+    def parse(text: str) -> tuple:
+        items = [s.strip() for s in text.split(",")]
+        if not any(items):
+            of = f" of {','.join(choices)}" if choices else ""
+            raise argparse.ArgumentTypeError(f"expected a comma list{of}, got {text!r}")
+        if not all(items):
+            raise argparse.ArgumentTypeError(f"an empty item in {text!r}")
+        values = tuple(_item(kind, s, text) for s in items)
+        if choices is not None:
+            unknown = [v for v in values if v not in choices]
+            if unknown:
+                raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; choose from "
+                                                 f"{','.join(choices)}")
+        twice = sorted({repr(v) for i, v in enumerate(values) if v in values[:i]})
+        if twice:
+            raise argparse.ArgumentTypeError(f"{', '.join(twice)} listed twice in {text!r}")
+        return values
+    return parse
+
+
+def _item(kind, item: str, text: str):
+    try:
+        return kind(item)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(e if item == text.strip() else f"{e} in {text!r}") from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of {kind.__name__}, got {text!r}") from None
+
+
+def device(text: str):
+    """An argparse type: the torch device of ``auto`` (CUDA when available, else CPU), ``cpu`` or a present
+    ``cuda[:N]``."""
+    import torch
+
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use {DEVICES}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text}: spec-bench runs on cpu or cuda")
+    if dev.type == "cpu" and dev.index is not None:
+        raise argparse.ArgumentTypeError(f"{text}: cpu takes no device index; use cpu")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+def new_file(text: str) -> Path:
+    """An argparse type: a path to write a file at the end of a run; its directory must exist and it must not
+    be a directory, so that a typo fails before the run instead of after it."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no directory {path.parent}")
+    return path
+
+
+# ---------------------------------------------------------------------- shared options
+def add_input_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint and prompt options of ``spec-bench`` and its model-running subcommands (defaults: the
+    shipped fixtures). Their contents are checked before any model loads (``run.check_inputs``)."""
+    fx = default_fixtures_dir()
+    p.add_argument("--target", type=Path, default=fx / TARGET_SUBDIR, help="HF-layout target checkpoint")
+    p.add_argument("--draft-lm", type=Path, default=fx / DRAFT_SUBDIR,
+                   help="plain draft LM (draft_chain, hf_assisted)")
+    p.add_argument("--eagle", type=Path, default=fx / EAGLE_SUBDIR, help="EAGLE-1/2 head")
+    p.add_argument("--eagle3", type=Path, default=fx / EAGLE3_SUBDIR, help="EAGLE-3 head (optional)")
+    p.add_argument("--prompts", type=Path, default=fx / PROMPTS_FILE, help="JSONL with 'token_ids' per line")
+
+
+def input_paths(args: argparse.Namespace) -> dict:
+    """The ``BenchConfig`` fields of the options ``add_input_args`` adds."""
+    return {name: getattr(args, name) for name in ("target", "draft_lm", "eagle", "eagle3", "prompts")}
+
+
+def add_run_args(p: argparse.ArgumentParser, *, num_prompts: int, max_new_tokens: int) -> None:
+    """``--num-prompts`` and ``--max-new-tokens`` (integers >= 1; the second is also checked against the
+    target's positions before any model loads)."""
+    p.add_argument("--num-prompts", type=positive_int, default=num_prompts)
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
+                   help=f"tokens generated per prompt (default {max_new_tokens}); the longest prompt plus this "
+                        "must fit the target's max_position_embeddings")
+
+
+def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None) -> None:
+    shown = "torch's" if default is None else default
+    p.add_argument("--threads", type=positive_int, default=default,
+                   help=f"torch intra-op threads (default: {shown}); use 1 on a busy machine")
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=device, default="auto", help=f"{DEVICES} (default auto: cuda when available)")
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--dtype``: one of ``config.DTYPE_NAMES`` (argparse's ``choices``: an empty or unknown name is an error)."""
+    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
+                   help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
+
+
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile our models (ar included), compiled during the warm-up calls")
