@@ -95,7 +95,7 @@ def verify_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def tour_counts(req_ids: list[str]) -> tuple[list[int], list[int], list[int]]:
     """nonfinite_counts_per_request on the verify batch, each count explained."""
-    _section("per-request counts on a verify-shaped batch: NaN, Inf and dead rows, in one pass")
+    _section("NaN counts per request on a verify-shaped batch: NaN, Inf and dead rows, in one pass")
     logits, cu_num_rows = verify_batch()
     print("cu_num_rows:", cu_num_rows.tolist(), "| logits shape:", tuple(logits.shape))
     _say("request i owns rows cu_num_rows[i] to cu_num_rows[i+1]: 'a' rows 0-3, 'b' none, 'c' 4-7, 'd' 8-11")
