@@ -639,7 +639,7 @@ def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
     split = profile_split(dec, ar, dec.drafter, [[1, 2, 3]], 5, phases=PHASES)
     assert {d for st in stats for d in st.depths} == {3} and split["drafter_calls_per_step"] == pytest.approx(3.0)
     assert dec.trim_last_steps is True
-    dec.generate([[1, 2, 3]], max_new_tokens=5)
+    dec.generate([[1, 2, 3]], max_new_tokens=5, ignore_eos=True)   # every token is an EOS here
     assert dec.last_stats.depths[-1] < 3   # trimmed again outside the profile
 
 
@@ -650,7 +650,7 @@ def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
 
     dec, ar, stats = _recording_decoders(fake_fixtures, lookup_ngram=1)
     prompt = list(range(dec.target.config.vocab_size))   # every token occurred: lookup drafts at every step
-    dec.generate([prompt], max_new_tokens=5)
+    dec.generate([prompt], max_new_tokens=5, ignore_eos=True)
     assert dec.last_stats.lookup[0]
     stats.clear()
     split = profile_split(dec, ar, dec.drafter, [prompt], 5, phases=PHASES)
