@@ -5,7 +5,8 @@ sends SIGQUIT to its parent::
 
     python tests/spec_decode/_sglang_engine.py SPEC.json
 
-SPEC holds ``model`` (a directory from ``write_tiny_llama``), ``out`` (a JSON file the
+SPEC holds ``model`` (a directory from ``write_tiny_llama``), optional ``engine_args``
+(merged over ``ENGINE_ARGS``, e.g. ``{"tp_size": 2}``), ``out`` (a JSON file the
 results are written to after every call) and ``calls``: each ``{"input_ids": [[...], ...],
 "rids": [...], "sampling_params": [{...}, ...], "stream": bool}``. A result per call:
 ``{"outputs": [{"rid", "output_ids", "finish_reason", "cached_tokens"}, ...]}`` or ``{"error": "..."}``;
@@ -110,7 +111,7 @@ def main(spec_path: str) -> int:
         with open(spec["out"], "w", encoding="utf-8") as f:
             json.dump(results, f)
 
-    engine = sglang.Engine(model_path=spec["model"], **ENGINE_ARGS)
+    engine = sglang.Engine(model_path=spec["model"], **(ENGINE_ARGS | spec.get("engine_args", {})))
     try:
         for call in spec["calls"]:
             try:

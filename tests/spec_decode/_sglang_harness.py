@@ -127,8 +127,9 @@ def restoring_hook_targets():
     saved = []
     for target in sglang_plugin.HOOK_TARGETS:
         owner, attr = _owner_and_attr(target)
-        raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        saved.append((owner, attr, raw))
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if raw is not None:  # a test may have removed a target to see the plugin do without it
+            saved.append((owner, attr, raw))
     HookRegistry.reset()
     try:
         yield
@@ -215,3 +216,153 @@ class CopyDone:
 
     def synchronize(self):
         self.waits += 1
+
+
+def process_like_sglang(scheduler, batch, result):
+    """What ``process_batch_result_decode`` does with a plain decode result, in order:
+    wait for the copy, read the token ids from the host copy, commit, check finish."""
+    if result.copy_done is not None:
+        result.copy_done.synchronize()
+    for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
+        if req.finished():
+            continue
+        req.output_ids.append(token)
+        req.update_finish_state()
+
+
+def decode_step(sampler, logits, reqs, *, greedy=True):
+    """One decode step of ``reqs`` through SGLang's sample, result copy and result processing.
+
+    Run inside ``applied_plugin``: the result is processed through the plugin's hook on
+    ``Scheduler.process_batch_result``. Returns (token ids, the result's CopyDone)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from spec_decode import sglang_plugin
+
+    runner = make_model_runner(sampler)
+    rids = [req.rid for req in reqs]
+    forward_batch = make_forward_batch(make_sampling_info(len(reqs), logits.shape[-1], greedy=greedy), rids)
+    logits_output = LogitsProcessorOutput(next_token_logits=logits)
+    next_token_ids = ModelRunner.sample(runner, logits_output, forward_batch)
+    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids, copy_done=CopyDone())
+    result.copy_to_cpu(return_logprob=False)  # SGLang's one device-to-host copy of the step
+    batch = types.SimpleNamespace(reqs=reqs)
+    registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, batch, result)
+    return next_token_ids, result.copy_done
+
+
+class RankGroup:
+    """Stands for SGLang's ``GroupCoordinator`` over a real torch.distributed group (gloo in tests)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        self.device_group = self.cpu_group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank_in_group = dist.get_rank(group)
+
+
+@contextmanager
+def sglang_ranks_context(group, sampling_backend: str = "pytorch"):
+    """Publish dummy ServerArgs (CPU) and ``group`` as SGLang's tp group and world group.
+
+    The widths SGLang checks against the group (tp, attention-TP, MoE-TP) are set to its size.
+    """
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    g = RankGroup(group)
+    widths = dict(tp_size=g.world_size, attn_tp_size=g.world_size, moe_tp_size=g.world_size)
+    ranks = dict(tp_rank=g.rank_in_group, attn_tp_rank=g.rank_in_group, moe_tp_rank=g.rank_in_group)
+    with ExitStack() as stack:
+        stack.enter_context(
+            get_context().override_server_args(sampling_backend=sampling_backend, device="cpu")
+        )
+        stack.enter_context(get_parallel().override(**widths, **ranks, tp_group=g, world_group=g))
+        yield
+
+
+def _rank_main(fn, rank: int, world_size: int, store_path: str, out_dir: str, args) -> None:
+    """Body of one spawned rank: join a gloo group, run ``fn(rank, *args)``, write its JSON result."""
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    try:
+        out = {"result": fn(rank, *args)}
+    except Exception as exc:  # reported to the parent, which fails the test with it
+        out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def run_ranks(fn, world_size: int, tmp_path, *args, timeout_s: float = 300.0) -> list:
+    """Run ``fn(rank, *args)`` in ``world_size`` spawned processes joined by one gloo group.
+
+    ``fn`` must be importable by name (a module-level function). Returns each rank's JSON
+    result, in rank order; raises ``TimeoutError`` naming the ranks still running after
+    ``timeout_s`` (a hang, killed), and ``RuntimeError`` with a rank's traceback if one failed.
+    """
+    import json
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    store = Path(tmp_path) / "gloo_store"
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, str(store), str(tmp_path), args))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.1))
+    hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if hung:
+        raise TimeoutError(f"ranks {hung} still running after {timeout_s:.0f} s (a collective hung)")
+    outs = []
+    for rank in range(world_size):
+        path = Path(tmp_path) / f"rank{rank}.json"
+        if not path.exists():
+            raise RuntimeError(f"rank {rank} wrote no result (exit code {procs[rank].exitcode})")
+        out = json.loads(path.read_text())
+        if "error" in out:
+            raise RuntimeError(f"rank {rank}: {out['traceback']}")
+        outs.append(out["result"])
+    return outs
+
+
+def agree_cost_rank(rank: int, calls: int, batch: int) -> dict:
+    """One rank of the reduction's cost: seconds per ``sglang_plugin.agree`` call on the world
+    group, and per call with no group (what one rank pays). Run with ``run_ranks``; the
+    command and figures are in docs/sglang.md."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from spec_decode import sglang_plugin
+
+    counts = torch.zeros(2, batch, dtype=torch.int32)  # [2, num_reqs], as the hooks reduce it
+    for _ in range(10):  # warm-up
+        sglang_plugin.agree(counts, (dist.group.WORLD,))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        sglang_plugin.agree(counts, (dist.group.WORLD,))
+    reduced = (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    for _ in range(calls):
+        sglang_plugin.agree(counts, (None,))
+    return {"reduced_s": reduced, "one_rank_s": (time.perf_counter() - start) / calls}

@@ -216,3 +216,20 @@ def test_every_module_with_a_sampling_call_site_has_a_row():
     found = _modules_with_sampling_calls()
     assert found - listed == set(), f"modules with a sampling call site missing from the table: {sorted(found - listed)}"
     assert listed - found == set(), f"rows for modules without a sampling call site: {sorted(listed - found)}"
+
+
+DISTRIBUTED_SETTINGS = ("single process", "TP", "DP attention, attention-TP 1", "DP attention, attention-TP > 1", "PP",
+                        "multi-node")
+TEST_REF = re.compile(r"(test_sglang_\w+\.py)(?:::(\w+))?")
+
+
+def test_distributed_table_has_every_setting_and_names_tests_that_exist():
+    rows = _table("coverage:distributed")
+    assert [row[0].split(" (")[0] for row in rows] == list(DISTRIBUTED_SETTINGS)
+    here = Path(__file__).parent
+    for row in rows:
+        assert len(row) == 3, row
+        assert TEST_REF.search(row[2]) or "no engine test" in row[2], row
+        for file, name in TEST_REF.findall(row[2]):
+            source = (here / file).read_text()
+            assert not name or f"def {name}(" in source, f"{file}::{name} named in docs/sglang.md does not exist"

@@ -1,8 +1,9 @@
 """The SGLang plugin inside a real ``sglang.Engine`` on CPU, plain decoding, with a tiny random bf16 Llama.
 
 Needs ``make test-sglang`` (sglang, uvloop, xgrammar, and the stand-ins for torchvision
-and sgl_kernel on every process's path); skipped otherwise. Five engines, one per
-policy setting, run as separate driver processes (``_sglang_engine.py``), each on first
+and sgl_kernel on every process's path); skipped otherwise. Seven engines, one per
+policy setting and two with two ranks under the default policy (``tp_size=2``,
+``pp_size=2``; gloo between the ranks), run as separate driver processes (``_sglang_engine.py``), each on first
 use, or all at once a few at a time on a machine with the cores: starting one takes
 ~15 s on an idle machine, most of it importing sglang in each of its processes. Under
 ``raise`` SGLang kills the driver's process tree, so the test is the client that sees it.
@@ -93,7 +94,19 @@ ENGINES = {
         CLEAN_CALL,
         _call("s", [("a", PROMPTS["a"], PARTIAL), ("c", PROMPTS["c"], CLEAN)], stream=True),
     ]),
+    # Two scheduler ranks (gloo on CPU), the default policy.
+    "tp2": ({}, [CLEAN_CALL, _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN),
+                                         ("c", PROMPTS["c"], CLEAN)], stream=True)]),
+    "pp2": ({}, [CLEAN_CALL, _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN),
+                                         ("c", PROMPTS["c"], CLEAN)], stream=True)]),
 }
+DISTRIBUTED = {"tp2": ({"tp_size": 2}, "TP"), "pp2": ({"pp_size": 2}, "PP")}  # engine args, SGLang's log prefix
+
+
+def _omp_bind_two_ranks() -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for two ranks: SGLang asserts one NUMA node per rank unless it is set."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return f"{cpus[0]}|{cpus[1 % len(cpus)]}"
 
 
 def _run_engine(name, tmp: Path, model: Path) -> dict:
@@ -101,6 +114,9 @@ def _run_engine(name, tmp: Path, model: Path) -> dict:
     work = tmp / name
     work.mkdir()
     spec = {"model": str(model), "out": str(work / "out.json"), "calls": calls}
+    if name in DISTRIBUTED:
+        spec["engine_args"] = DISTRIBUTED[name][0]
+        env_extra = env_extra | {"SGLANG_CPU_OMP_THREADS_BIND": _omp_bind_two_ranks()}
     (work / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("SAFESPEC_NAN_POLICY", "SGLANG_PLUGINS", "TRITON_INTERPRET")}
     env |= {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "SAFESPEC_STAND_IN_CALLS": str(work / "stand_in_calls.txt")}
@@ -242,3 +258,19 @@ def test_sglang_plugins_allow_list_disables_the_plugin(engines):
     out = _by_name(run["results"][1])
     # SGLang alone: greedy argmax ranks the NaN column first, and nothing aborts.
     assert out["a"]["finish_reason"]["type"] == "length" and NAN_COL in out["a"]["output_ids"]
+
+
+@pytest.mark.parametrize("name", list(DISTRIBUTED))
+def test_tp_and_pp_engines_end_only_the_dead_request_on_every_rank(engines, name):
+    """tp_size=2 / pp_size=2 on CPU: the dead row ends its request; the others keep their clean output.
+
+    Every rank (TP) or stage (PP) logs the abort: each finishes the request itself."""
+    run = engines[name]
+    clean = _clean(run)
+    out = _by_name(run["results"][1])
+    _assert_finished_clean(out["a"], clean["a"])
+    _assert_aborted(out["dead"], "guard", "s-dead")
+    _assert_finished_clean(out["c"], clean["c"])
+    prefix = DISTRIBUTED[name][1]
+    for rank in (0, 1):
+        assert f"{prefix}{rank}] safespec: non-finite logits at SGLang sampler; aborting s-dead" in run["log"], rank

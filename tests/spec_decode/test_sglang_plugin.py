@@ -6,7 +6,7 @@ at the hook boundary: the hook is called with a stand-in for ``eagle_sample`` th
 the draft side, calls SGLang's real Triton rejection-sampling kernel on CPU tensors
 (``TRITON_INTERPRET=1``, set by ``make test-sglang``). A step's result processing is
 SGLang's real ``GenerationBatchResult.copy_to_cpu`` followed by what
-``process_batch_result_decode`` does with it (``_process_like_sglang``). The real engine
+``process_batch_result_decode`` does with it (``process_like_sglang``). The real engine
 is in ``test_sglang_engine.py``.
 """
 
@@ -31,10 +31,12 @@ if _SKIP_REASON is None:
         CopyDone,
         HostReads,
         applied_plugin,
+        decode_step,
         make_forward_batch,
         make_model_runner,
         make_req,
         make_sampling_info,
+        process_like_sglang,
         registered_hook,
         restoring_hook_targets,
         sglang_cpu_context,
@@ -166,35 +168,6 @@ def test_raise_policy_is_silent_on_finite_logits(sampler):
 # ---------------------------------------------------------------- abort and guard (sampler site)
 
 
-def _process_like_sglang(scheduler, batch, result):
-    """What ``process_batch_result_decode`` does with a plain decode result, in order:
-    wait for the copy, read the token ids from the host copy, commit, check finish."""
-    if result.copy_done is not None:
-        result.copy_done.synchronize()
-    for req, token in zip(batch.reqs, result.next_token_ids.tolist()):
-        if req.finished():
-            continue
-        req.output_ids.append(token)
-        req.update_finish_state()
-
-
-def _step(sampler, logits, reqs, *, greedy=True):
-    """One decode step of ``reqs`` through SGLang's sample, result copy and result processing.
-
-    Run inside ``applied_plugin``: the result is processed through the plugin's hook on
-    ``Scheduler.process_batch_result``. Returns (token ids, the result's CopyDone)."""
-    runner = make_model_runner(sampler)
-    rids = [req.rid for req in reqs]
-    forward_batch = make_forward_batch(make_sampling_info(len(reqs), VOCAB, greedy=greedy), rids)
-    logits_output = LogitsProcessorOutput(next_token_logits=logits)
-    next_token_ids = ModelRunner.sample(runner, logits_output, forward_batch)
-    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids, copy_done=CopyDone())
-    result.copy_to_cpu(return_logprob=False)  # SGLang's one device-to-host copy of the step
-    batch = types.SimpleNamespace(reqs=reqs)
-    registered_hook(sglang_plugin.RESULT_TARGET)(_process_like_sglang, None, batch, result)
-    return next_token_ids, result.copy_done
-
-
 def _dead_and_partial_logits():
     """req-a: partial NaN (one column); req-b: a dead row (all NaN); req-c: clean."""
     logits = _logits(3, {0: 1, 1: VOCAB - NAN_COL})
@@ -207,7 +180,7 @@ def test_abort_and_guard_finish_only_the_triggering_requests(sampler, policy, ab
     reqs = [make_req(rid) for rid in RIDS]
     logits = _dead_and_partial_logits()
     with applied_plugin(policy):
-        out, _ = _step(sampler, logits, reqs)
+        out, _ = decode_step(sampler, logits, reqs)
     assert torch.isfinite(logits).all()
     assert bool(((out >= 0) & (out < VOCAB)).all())
     for req in reqs:
@@ -228,7 +201,7 @@ def test_guard_is_the_default_and_names_dead_rows(sampler, caplog):
     reqs = [make_req(rid) for rid in RIDS]
     with applied_plugin(None) as state, caplog.at_level(logging.WARNING, logger=sglang_plugin.__name__):
         assert state.policy is NanPolicy.GUARD
-        _step(sampler, _dead_and_partial_logits(), reqs)
+        decode_step(sampler, _dead_and_partial_logits(), reqs)
     message = reqs[1].finished_reason.to_json()["message"]
     assert "req-b" in message and "1 dead logit rows" in message and "policy 'guard'" in message
     # req-a's partial NaN is sanitized and warned about once, naming the request.
@@ -239,9 +212,9 @@ def test_guard_is_the_default_and_names_dead_rows(sampler, caplog):
 def test_counts_of_one_step_never_reach_the_next(sampler):
     reqs = [make_req(rid) for rid in RIDS]
     with applied_plugin("guard"):
-        _step(sampler, _dead_and_partial_logits(), reqs)
+        decode_step(sampler, _dead_and_partial_logits(), reqs)
         more = [make_req(rid) for rid in ("req-d", "req-b2", "req-e")]
-        _step(sampler, _logits(3, {}), more)  # clean step: no abort carried over
+        decode_step(sampler, _logits(3, {}), more)  # clean step: no abort carried over
     assert not any(req.finished() for req in more)
 
 
@@ -261,11 +234,11 @@ def test_abort_and_guard_add_no_host_sync(sampler, monkeypatch, policy):
             result = GenerationBatchResult(logits_output=lo, next_token_ids=ModelRunner.sample(runner, lo, fb),
                                            copy_done=CopyDone())
             result.copy_to_cpu(return_logprob=False)
-            _process_like_sglang(None, types.SimpleNamespace(reqs=reqs), result)
+            process_like_sglang(None, types.SimpleNamespace(reqs=reqs), result)
             waits = result.copy_done.waits
     else:
         with applied_plugin(policy):
-            _, copy_done = _step(sampler, _dead_and_partial_logits(), reqs)
+            _, copy_done = decode_step(sampler, _dead_and_partial_logits(), reqs)
             waits = copy_done.waits
     assert reads.device == [], f"host syncs: {reads.device}"
     assert waits == 1
@@ -310,7 +283,7 @@ def _verify_step(policy, nan_rows, *, dead_rows=(), draft_probs=None, eagle_samp
         result = GenerationBatchResult(logits_output=logits_output, next_token_ids=torch.zeros(len(reqs), dtype=torch.int64),
                                        copy_done=CopyDone())
         result.copy_to_cpu(return_logprob=False)
-        registered_hook(sglang_plugin.RESULT_TARGET)(_process_like_sglang, None, batch, result)
+        registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, batch, result)
     return reqs, seen, out
 
 
