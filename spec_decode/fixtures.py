@@ -34,3 +34,13 @@ def find_fixtures_dir(start: str | os.PathLike | None = None) -> Path | None:
         if (candidate / "models").is_dir():
             return candidate
     return None
+
+
+def missing_fixtures_hint() -> str:
+    """What to append to an error about a missing default checkpoint or prompts file: how to point
+    at the fixtures, which ship in a source checkout and not in the wheel."""
+    env = os.environ.get(FIXTURES_ENV)
+    if env:
+        return f" (${FIXTURES_ENV} is {env!r}: it must name a directory holding models/ and {PROMPTS_FILE})"
+    return (f"; the shipped tiny models live in a source checkout's fixtures/ directory: set {FIXTURES_ENV} "
+            "to it, or pass the paths")

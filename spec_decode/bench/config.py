@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from spec_decode.fixtures import find_fixtures_dir
+from spec_decode.fixtures import find_fixtures_dir, missing_fixtures_hint
 
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
 METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
@@ -181,9 +181,9 @@ class BenchConfig:
         if bad or not self.dtypes:
             raise ValueError(f"--dtype must be a comma list of {DTYPE_NAMES}, got {list(self.dtypes)}")
         if not Path(self.target).is_dir():
-            raise ValueError(f"--target: no checkpoint directory at {self.target}")
+            raise ValueError(f"--target: no checkpoint directory at {self.target}{missing_fixtures_hint()}")
         if not Path(self.prompts).is_file():
-            raise ValueError(f"--prompts: no file at {self.prompts}")
+            raise ValueError(f"--prompts: no file at {self.prompts}{missing_fixtures_hint()}")
         try:
             with open(self.prompts, encoding="utf-8") as f:
                 available = sum(1 for line in f if line.strip())
@@ -222,7 +222,7 @@ def load_prompts(path: Path, n: int, vocab_size: int, first: int = 0) -> list[li
     ``--num-prompts`` when the file holds fewer than ``first + n`` prompts.
     """
     if not Path(path).is_file():
-        raise BenchInputError(f"--prompts: no file at {path}")
+        raise BenchInputError(f"--prompts: no file at {path}{missing_fixtures_hint()}")
     prompts = []
     skip = first
     with open(path, encoding="utf-8", errors="replace") as f:
