@@ -225,12 +225,31 @@ def test_every_generate_call_ignores_eos_and_results_say_so(fx, tmp_path, genera
     assert r["methods"]["eagle_chain"]["generated_tokens"] == 2 * 4
 
 
-def test_profile_and_compile_generate_ignoring_eos(fx, tmp_path, generate_calls, capsys):
+def test_profile_generates_ignoring_eos(fx, generate_calls, capsys):
     inputs = [str(a) for a in _inputs(fx)]
     assert main(["profile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "3", "--threads", "1",
                                         "--cprofile", "2"]) == 0
-    assert main(["compile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "3"]) == 0
     assert generate_calls and all(c.get("ignore_eos") is True for c in generate_calls)
+
+
+def test_compile_and_gemm_generate_ignoring_eos():
+    """``compile_ab.measure``, the end-to-end loop of ``spec-bench compile`` and ``gemm`` (a compiled run is slow
+    to build: a recording decoder stands in)."""
+    import types
+
+    from spec_decode.bench.compile_ab import measure
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, **kwargs):
+            self.calls.append(kwargs)
+            return [types.SimpleNamespace(token_ids=[0] * kwargs["max_new_tokens"]) for _ in prompts]
+
+    dec = Recorder()
+    measure({"ar": dec}, [[1, 2], [3]], [4], 5)
+    assert dec.calls == [dict(max_new_tokens=5, ignore_eos=True)] * 3
 
 
 def test_the_largest_seed_runs_sampled_batches(fx, tmp_path):
