@@ -69,3 +69,13 @@ fixtures-measure: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .hypothesis
+
+# The docs run as written: every python block of README.md and docs/*.md, examples/, the doctests
+# (part of `make test` too; this runs them alone).
+.PHONY: docs-check wheel-check
+docs-check: $(STAMP)
+	$(PY) -m pytest -q tests/test_docs.py
+
+# The wheel builds offline and spec-bench runs from an installed copy outside the checkout.
+wheel-check: $(STAMP)
+	$(PY) -m pytest -q tests/test_wheel.py
