@@ -60,16 +60,11 @@ def test_every_doc_page_is_scanned():
     assert len(in_readme) >= 2, "the README's quickstart must be a ```python block"
 
 
-def test_fence_extraction():
+def test_fence_extraction(tmp_path):
     """A block's line number is its first source line; other fence languages are not collected."""
-    sample = "text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = 2\nc = 3\n```\n"
-    path = ROOT / "build" / "_fence_sample.md"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(sample)
-    try:
-        assert python_blocks(path) == [(3, "a = 1\n"), (9, "b = 2\nc = 3\n")]
-    finally:
-        path.unlink()
+    path = tmp_path / "sample.md"
+    path.write_text("text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = 2\nc = 3\n```\n")
+    assert python_blocks(path) == [(3, "a = 1\n"), (9, "b = 2\nc = 3\n")]
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -122,3 +117,38 @@ def test_doctests_found():
     """The public docstrings that carry examples (numerics, samplers) are all collected."""
     modules = {t.name.split(".")[0] for t in DOCTESTS}
     assert {"numerics", "samplers"} <= modules, (modules, DOCTEST_SKIPPED)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = FENCED.sub("", path.read_text(encoding="utf-8"))
+    return {_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINKED_PAGES = [*DOC_FILES, ROOT / "CHANGELOG.md", ROOT / "docs" / "results" / "README.md"]
+
+
+@pytest.mark.parametrize("path", LINKED_PAGES, ids=[str(p.relative_to(ROOT)) for p in LINKED_PAGES])
+def test_relative_links_resolve(path):
+    """Every relative link of the README and the reference pages names a file that exists, and a
+    heading that exists when it carries an anchor."""
+    broken = []
+    for target in LINK.findall(FENCED.sub("", path.read_text(encoding="utf-8"))):
+        if re.match(r"[a-z]+:", target):
+            continue   # an absolute URL
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(target)
+    assert not broken, f"{path.relative_to(ROOT)}: broken links {broken}"
