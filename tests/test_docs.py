@@ -152,3 +152,12 @@ def test_relative_links_resolve(path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(target)
     assert not broken, f"{path.relative_to(ROOT)}: broken links {broken}"
+
+
+def test_reference_pages_hold_no_run_logs():
+    """The README and the reference pages state the current truth: no dated run (``UTC`` time stamps
+    belong in docs/results/ and CHANGELOG.md), and the README stays a front door."""
+    stamped = [str(p.relative_to(ROOT)) for p in DOC_FILES if "UTC" in p.read_text(encoding="utf-8")]
+    assert not stamped, f"time stamps in {stamped}: move the run to docs/results/"
+    lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= 300, f"README.md has {lines} lines (at most 300): move detail to a reference page"
