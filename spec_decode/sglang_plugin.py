@@ -135,6 +135,7 @@ class PluginState:
     announced: bool = False
     pp_relay_missing: str | None = None  # why the PP hooks could not register, if they could not
     warned_pp_rows: bool = False
+    ranks_checked: bool = False
 
 
 @dataclass
@@ -394,7 +395,7 @@ def _host_counts(result) -> list:
         if device is None:
             return []
         # Host sync, a fallback only: a result path that skipped SGLang's copy (none in 0.5.23's
-        # plain, overlap, spec or PP paths) would otherwise drop the counts.
+        # plain, overlap or spec paths; under PP, pp_recv_hook copies) would otherwise drop the counts.
         host = device.copy_to_host(lambda t: t.cpu())
     outputs = getattr(host, "outputs", (host,))
     return [o for o in outputs if isinstance(o, NanCountsOnHost)]
@@ -644,6 +645,9 @@ def make_hooks(state: PluginState) -> dict:
         """After the model worker (and torch.distributed) started: ranks agree, PP fallback."""
         from sglang.srt.runtime_context import get_parallel
 
+        if state.ranks_checked:
+            return None
+        state.ranks_checked = True
         parallel = get_parallel()
         check_ranks_agree(rank_config(state), parallel.world_group.cpu_group)
         fall_back_without_pp_relay(state, parallel.pp_size)
@@ -667,7 +671,9 @@ def make_hooks(state: PluginState) -> dict:
         finally:
             tensors.update(ours)
         if ours:
-            forward_batch = getattr(mb_metadata, "fwd_batch", None) or batch  # the composition that ran
+            # Rows follow the composition that ran the forward (SGLang's PP+spec snapshot, if any).
+            forward_batch = getattr(mb_metadata, "fwd_batch", None)
+            forward_batch = batch if forward_batch is None else forward_batch
             rids = [req.rid for req in forward_batch.reqs]
             attach_relayed_counts(state, result, NanCountsOnDevice.from_pp_tensors(ours, rids))
         return result
