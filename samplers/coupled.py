@@ -230,12 +230,12 @@ def coupled_scores(
 
     NaN: logits are sanitized per ``nan_policy`` as in :func:`logits_to_probs` (``raise``:
     NaN only), so an all-NaN row scores like a uniform one; under ``"off"`` a row still
-    holding NaN scores NaN and ``nonfinite_rows``/``dead_rows`` are None.
+    holding NaN scores NaN (``nonfinite_rows``/``dead_rows`` are still computed when asked).
     """
     seeds, positions = _check(logits, seeds, positions, backend)
     params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
     vocab, token_ids = _check_token_ids(token_ids, logits.shape[-1], logits.device)
-    prep = prepare_logits(logits, nan_policy)  # masks and ``raise`` per batch row, before the flattening
+    prep = prepare_logits(logits, nan_policy, report=return_nonfinite)  # per batch row, before the flattening
     if logits.dim() == 3:  # row b*N + n holds logits[b, n]
         per_row = logits.shape[1]
         seeds, params = seeds.repeat_interleave(per_row), params.repeat(per_row)
@@ -280,7 +280,8 @@ def coupled_sample(
     NaN: logits are sanitized per ``nan_policy`` (``raise``: NaN only); an all-NaN row gives
     a valid id (uniform over the vocabulary, or id 0 if greedy) and is reported in
     ``nonfinite_rows`` and ``dead_rows``. Under ``"off"`` nothing is checked: a row still
-    holding NaN gives the index of its first NaN (in range), and both masks are None.
+    holding NaN gives the index of its first NaN (in range); the masks are computed only when
+    ``return_nonfinite`` asks for them.
 
     Examples
     --------
@@ -295,7 +296,7 @@ def coupled_sample(
     check_float_tensor(logits, "logits", 2)
     seeds, positions = _check(logits, seeds, positions, backend)
     params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
-    prep = prepare_logits(logits, nan_policy)
+    prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the noised one-hot gives, without the [B, V] noise
     else:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -275,9 +275,15 @@ def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
     return torch.zeros_like(prio, dtype=torch.bool).scatter_(1, order, True)
 
 
+LogitsTransform = Callable[[Tensor, int], Tensor]
+"""``(logits [B, F, Vd], depth) -> scores [B, F, Vd]``: what drafting ranks instead of the drafter's
+logits, for children at tree depth ``depth`` (coupled sampling adds each position's noise)."""
+
+
 def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
-               sampling: DraftSampling | None = None, score_temperature: float = 1.0) -> DraftTree:
+               sampling: DraftSampling | None = None, score_temperature: float = 1.0,
+               transform: LogitsTransform | None = None) -> DraftTree:
     """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
 
     Shape:
@@ -302,19 +308,30 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     spends nodes on siblings that the deeper first choices would have used better. The children
     are the same at any value; only which candidates the tree keeps changes. Sampled rows keep
     their own rank scores; a chain has nothing to choose.
+
+    ``transform``: greedy drafting ranks ``transform(logits, depth)`` instead of the logits of the
+    children at ``depth`` (``LogitsTransform``); it needs ``sampling=None``.
     """
     score_temperature = check_score_temperature(score_temperature)
+    if transform is not None and sampling is not None:
+        raise ValueError("transform ranks greedy drafts: pass sampling=None with it")
+    transform = transform or _no_transform
     if topk == 1 and num_draft_tokens == num_steps + 1:
         return _draft_chain(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, kv_len=kv_len,
-                            sampling=sampling)
+                            sampling=sampling, transform=transform)
     return _draft_pool_tree(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, topk=topk,
                             num_draft_tokens=num_draft_tokens, kv_len=kv_len, sampling=sampling,
-                            score_temperature=score_temperature)
+                            score_temperature=score_temperature, transform=transform)
+
+
+def _no_transform(logits: Tensor, depth: int) -> Tensor:
+    return logits
 
 
 def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                      num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None,
-                     sampling: DraftSampling | None, score_temperature: float = 1.0) -> DraftTree:
+                     sampling: DraftSampling | None, score_temperature: float = 1.0,
+                     transform: LogitsTransform = _no_transform) -> DraftTree:
     """``draft_tree`` for any shape: scored pool, ancestor sets, EAGLE-2 selection."""
     B, k, device = root.shape[0], topk, root.device
     budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
@@ -322,7 +339,7 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
     no_kept = lambda n: None if sampling is None else torch.zeros(B, n, dtype=torch.bool, device=device)
     take = lambda t, idx: None if t is None else t.gather(1, idx)
     pool = _Pool(B, k + (num_steps - 1) * k * k, device)
-    exp = _Expansion(first_logits[:, None], k, sampling, score_temperature)
+    exp = _Expansion(transform(first_logits[:, None], 1), k, sampling, score_temperature)
     score, tokens = exp.lp[:, 0], drafter.to_target_ids(exp.ids[:, 0])         # [B, k]
     kept = _keep_prefixes(score, budget[0]) if budget else no_kept(k)
     pool.add(score, tokens, torch.full_like(tokens, NO_PARENT), kept, 1)
@@ -341,7 +358,8 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
         hidden, feedback = drafter.draft_forward(
             frontier_tokens, frontier_hidden, cache, position_ids=position_ids.expand(B, k), tree_mask=mask,
             kv_len=None if kv_len is None else kv_len + S)
-        exp = _Expansion(drafter.compute_logits(hidden), k, sampling, score_temperature)   # [B, k, k]
+        exp = _Expansion(transform(drafter.compute_logits(hidden), step + 1), k, sampling,
+                         score_temperature)   # [B, k, k]
         node_q.append((frontier_pool, exp.q))
         score = (frontier_score[:, :, None] + exp.lp).reshape(B, k * k)
         tokens = drafter.to_target_ids(exp.ids.reshape(B, k * k))
@@ -365,7 +383,8 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
 
 
 def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
-                 num_steps: int, kv_len: int | None, sampling: DraftSampling | None) -> DraftTree:
+                 num_steps: int, kv_len: int | None, sampling: DraftSampling | None,
+                 transform: LogitsTransform = _no_transform) -> DraftTree:
     """``draft_tree`` for a full chain (topk 1, num_steps + 1 nodes) without the pool: the same tree.
 
     Each depth keeps the drafter's first choice (top-1, or the first draw from q), which is what the
@@ -384,7 +403,7 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     advanced = 0
     try:
         for depth in range(1, N):
-            exp = _Expansion(logits, 1, sampling, scores=False)
+            exp = _Expansion(transform(logits, depth), 1, sampling, scores=False)
             chain.append(drafter.to_target_ids(exp.ids[:, :, 0]))              # [B, 1]
             qs.append(exp.q)
             if depth == num_steps:

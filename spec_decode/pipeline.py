@@ -25,7 +25,9 @@ finished requests are dropped from every tensor (``_Batch.keep``), so requests f
 and a finished or aborted request's state is gone before the next step.
 
 Randomness: with a seed, every request has its own generator, so its tokens depend only on its own
-seed, prompt and parameters, never on its batch-mates (``samplers`` draws per row).
+seed, prompt and parameters, never on its batch-mates (``samplers`` draws per row). Under
+``draft_sampling="coupled"`` a sampled token is a function of (seed, position, logits): the drafts,
+the tree shape and the depth cannot change it.
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ from typing import Callable, ContextManager, Sequence
 import torch
 
 from numerics import NanLogitsError, NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits
-from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, greedy_accept,
-                      greedy_tree_verify, logits_to_probs, sample, tree_verify)
+from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, coupled_sample,
+                      coupled_scores, greedy_accept, greedy_tree_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature, draft_tree
 from spec_decode.faults import FaultPlan
@@ -53,7 +55,7 @@ from spec_decode.model import KVCache, Transformer
 
 _log = logging.getLogger("safespec.spec_decode")
 METHODS = ("eagle", "eagle3", "draft_model", "none")
-DRAFT_SAMPLING = ("auto", "greedy", "sampled")
+DRAFT_SAMPLING = ("auto", "greedy", "sampled", "coupled")
 FINISH_STOP, FINISH_LENGTH, FINISH_NAN_ABORT = "stop", "length", "nan_abort"
 # Phases of a step, timed through ``SpecDecoder.phase_timer`` (``spec-bench profile``).
 PHASES = ("drafting", "verify_forward", "verify_walk", "bookkeeping")
@@ -139,6 +141,7 @@ class _Batch:
     catch_len: list[int]
     generators: list[torch.Generator] | None   # one per row, or None: torch's default generator
     all_sampled: bool = False   # host fact: every request has temperature > 0 (stays true as rows leave)
+    seeds: torch.Tensor | None = None   # [B] int64, draft_sampling="coupled": each request's noise key
 
     def keep(self, rows: list[int]) -> "_Batch":
         idx = torch.tensor(rows, dtype=torch.long, device=self.root.device)
@@ -150,7 +153,7 @@ class _Batch:
             root=pick(self.root), catch_tokens=pick(self.catch_tokens), catch_hidden=pick(self.catch_hidden),
             catch_lens=pick(self.catch_lens), sampling=self.sampling.select(idx),
             target_len=host(self.target_len), draft_len=host(self.draft_len), catch_len=host(self.catch_len),
-            generators=host(self.generators), all_sampled=self.all_sampled)
+            generators=host(self.generators), all_sampled=self.all_sampled, seeds=pick(self.seeds))
 
     def append_catch(self, tokens: torch.Tensor, hidden: torch.Tensor | None, num: torch.Tensor,
                      num_host: list[int]) -> None:
@@ -201,7 +204,14 @@ class SpecDecoder:
     sampling); greedy requests take the drafter's top-k. ``"greedy"`` takes top-k drafts for every
     request (verified with the deterministic-draft rule). ``"sampled"`` samples every request's
     drafts, greedy requests from the drafter at temperature 1 (exact too, but it accepts less at
-    temperature 0: it exists for comparisons).
+    temperature 0: it exists for comparisons). ``"coupled"``: every request with temperature > 0
+    draws each token at absolute position t (prompt length + the new token's index) by the Gumbel-max
+    rule with noise keyed by (its seed, t, token id) (``samplers.coupled_sample``); drafts are the
+    top-k of the drafter's processed log-probs plus the same noise, and a draft is accepted when it
+    equals the target's noised argmax (the greedy verifiers on ``samplers.coupled_scores``). A seeded
+    request's tokens are then a function of its prompt, parameters and seed alone: the same with
+    ``method="none"``, any tree shape, lookup steps or ``num_steps="auto"``, which under
+    ``"coupled"`` serve and adapt sampled batches too. Greedy requests are unchanged.
 
     ``tree_score_temperature``: how greedy requests' trees rank candidates (``drafting.draft_tree``'s
     ``score_temperature``). 1.0 (default) is EAGLE-2's rule, the drafter's confidence; below 1
@@ -337,20 +347,23 @@ class SpecDecoder:
                               dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
                               stop_token_ids, eos, request_ids, self.target.device)
         plan = FaultPlan(() if faults is None else faults, len(req.prompts))
-        generators = _request_generators(seed, len(req.prompts), self.target.device)
+        seeds = _request_seeds(seed, len(req.prompts), coupled=self.draft_sampling == "coupled")
+        generators = None if seeds is None or self.draft_sampling == "coupled" else [
+            torch.Generator(device=self.target.device).manual_seed(s) for s in seeds]
         self.last_stats = StepStats()
         if self.lookup_ngram:
             req.lookups = [ContextLookup(self.lookup_ngram, p) for p in req.prompts]
         t0 = time.perf_counter()
-        batch = self._prefill(req, plan, generators)
+        batch = self._prefill(req, plan, generators, seeds)
         self.last_stats.prefill_s = time.perf_counter() - t0
         step = 1
         while batch is not None:
             t0 = time.perf_counter()
             lookup = self._lookup_tree(batch, req)
+            depth_free = self._depth_free(batch)   # the step may finish the batch: ask before it
             if lookup is None:
                 regime = _regime(batch.sampling)
-                chosen = 0 if self.method == "none" else self._pick_depth(regime)
+                chosen = 0 if self.method == "none" else self._pick_depth(regime, batch)
                 depth = self._trimmed(chosen, batch, req)
                 # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
                 # makes this step's time unrepresentative of its depth
@@ -364,7 +377,7 @@ class SpecDecoder:
             self.last_stats.lookup.append(lookup is not None)
             # the controller hears of the steps it chose; a trimmed one ran another depth (a request's end)
             if (lookup is None and self.depth_controller is not None and req.last_emitted is not None
-                    and depth == chosen and regime == "greedy"):
+                    and depth == chosen and depth_free):
                 self.depth_controller.record(depth, elapsed if steady else None, req.last_emitted, regime)
             step += 1
         return req.results
@@ -380,7 +393,7 @@ class SpecDecoder:
         drafts + 1, so drafting more than any request's tokens left - 1 only costs. Greedy tokens do
         not depend on the depth; sampled ones would, through the draws, so sampled batches keep it
         (a request samples the same tokens in any batch)."""
-        if not self.trim_last_steps or not batch.sampling.all_greedy:
+        if not self.trim_last_steps or not self._depth_free(batch):
             return depth
         return min(depth, _tokens_left(batch, req) - 1)
 
@@ -393,7 +406,7 @@ class SpecDecoder:
         ``trim_last_steps``, to the tokens the batch can still use, as a drafted step is.
         Shape: returns tokens [B, N] with N - 1 <= ``lookup_tokens`` drafts after the root.
         """
-        if not self.lookup_ngram or not batch.sampling.all_greedy:
+        if not self.lookup_ngram or not self._depth_free(batch):
             return None
         budget = _lookup_budget(self.lookup_tokens, req)
         if self.trim_last_steps:
@@ -409,17 +422,18 @@ class SpecDecoder:
         tokens = torch.tensor([d[:num] for d in drafts], device=batch.root.device)   # host -> device: no sync
         return chain_tree(torch.cat([batch.root[:, None], tokens], 1))
 
-    def _pick_depth(self, regime: str) -> int:
-        """The configured depth; under ``num_steps="auto"`` the controller's choice for greedy batches,
-        and ``max_steps`` for batches with sampled requests: their draws depend on the depth, so a
-        depth that followed wall-clock time would make a seed's tokens depend on timing."""
+    def _pick_depth(self, regime: str, batch) -> int:
+        """The configured depth; under ``num_steps="auto"`` the controller's choice where the depth cannot
+        change the tokens (greedy or coupled batches), else ``max_steps``: rejection sampling's draws
+        depend on the depth, so a depth that followed wall-clock time would make a seed's tokens
+        depend on timing."""
         if self.depth_controller is None:
             return self.num_steps
-        if regime != "greedy":
+        if not self._depth_free(batch):
             return self.max_steps
         return self.depth_controller.choose(regime)
 
-    def _prefill(self, req, plan, generators):
+    def _prefill(self, req, plan, generators, seeds):
         device = self.target.device
         B = len(req.prompts)
         lens_host = [len(p) for p in req.prompts]
@@ -435,10 +449,11 @@ class SpecDecoder:
         logits = self.target.compute_logits(out.hidden.gather(1, last.expand(B, 1, out.hidden.shape[-1])))[:, 0]  # [B, V]
         sampling = req.sampling
         batch = _Batch(list(range(B)), tcache, None, None, None, None, None, sampling, lens_host,
-                       [0] * B, [0] * B, generators, all_sampled=req.all_sampled)
+                       [0] * B, [0] * B, generators, all_sampled=req.all_sampled,
+                       seeds=None if self.draft_sampling != "coupled" else torch.tensor(seeds, device=device))
         plan.apply(logits, 0, "target_logits", batch.active)
         counts = self._nan_pass(logits, 1)
-        token = sample(logits, generator=batch.generators, nan_policy="off", params=sampling)
+        token = self._sample(logits, batch, lens)   # the first new token sits at position len(prompt)
         host = self._to_host(token[:, None], torch.ones_like(token), counts, None)
         if self.drafter is not None:
             batch.draft_cache = self.drafter.new_cache(B, max_len)
@@ -465,7 +480,7 @@ class SpecDecoder:
             logits = out.logits[:, 0]
             plan.apply(logits, step, "target_logits", batch.active)
             counts = self._nan_pass(logits, 1)
-            token = sample(logits, generator=batch.generators, nan_policy="off", params=batch.sampling)
+            token = self._sample(logits, batch, batch.target_cache.lengths + 1)   # the root sits at lengths
             ones = torch.ones_like(token)
             host = self._to_host(token[:, None], ones, counts, None)
         with self.phase_timer("bookkeeping"):
@@ -491,7 +506,8 @@ class SpecDecoder:
             tree = draft_tree(self.drafter, batch.draft_cache, batch.root, first_logits, first_hidden,
                               num_steps=steps, topk=self.topk, num_draft_tokens=N,
                               kv_len=max(batch.draft_len), sampling=self._draft_sampling(batch),
-                              score_temperature=self.tree_score_temperature)
+                              score_temperature=self.tree_score_temperature,
+                              transform=self._coupled_drafts(batch))
         return self._verify_step(batch, req, plan, step, tree, draft_counts)
 
     def _verify_step(self, batch, req, plan, step, tree: DraftTree, draft_counts):
@@ -514,7 +530,7 @@ class SpecDecoder:
         with self.phase_timer("verify_walk"):
             plan.apply(out.logits, step, "target_logits", batch.active)
             counts = self._nan_pass(out.logits.view(B * N, -1), N)
-            res = self._verify(tree, out.logits, batch)
+            res = self._verify(tree, out.logits, batch)   # before the commit: coupled noise reads the lengths
             host = self._to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
         with self.phase_timer("bookkeeping"):
             num_host = [h.num for h in host]
@@ -561,12 +577,16 @@ class SpecDecoder:
         """
         s = batch.sampling
         B, N, V = logits.shape
-        if (self.topk == 1 or tree.chain) and s.all_greedy:   # the tree is a chain: no walk needed
+        greedy = s.all_greedy
+        if self._coupled(batch):   # node i's logits draw the token at its depth + 1: verification is greedy
+            positions = batch.target_cache.lengths[:, None] + tree.depth + 1
+            logits, greedy = coupled_scores(logits, batch.seeds, positions, nan_policy="off", params=s), True
+        if (self.topk == 1 or tree.chain) and greedy:   # the tree is a chain: no walk needed
             # the NaN pass sanitized the logits (nan_policy "off": nothing is checked), so greedy_verify's
             # checks and -1-padded output would only cost ops (~6, ~2 % of a chain step on CPU)
             best, num = greedy_accept(tree.tokens[:, 1:], logits)
             return _Verified(best, num + 1)
-        if s.all_greedy:   # the drafter's verify mask is the trees' ancestor relation: nothing to rebuild
+        if greedy:   # the drafter's verify mask is the trees' ancestor relation: nothing to rebuild
             res = greedy_tree_verify(tree.tokens, tree.parents, logits, ancestor_mask=tree.tree_mask,
                                      max_depth=tree.max_depth, nan_policy="off")
             return _Verified(res.output_token_ids, res.num_emitted, res.accepted_node_ids)
@@ -588,9 +608,49 @@ class SpecDecoder:
                                          backend="torch")
         return _Verified(out.output_token_ids, out.num_emitted)
 
+    def _coupled(self, batch) -> bool:
+        """Coupled sampling (``draft_sampling="coupled"``) for a batch with sampled requests: every draw
+        is the argmax of ``samplers.coupled_scores``, so the tokens do not depend on the drafts."""
+        return batch.seeds is not None and not batch.sampling.all_greedy
+
+    def _depth_free(self, batch) -> bool:
+        """True when the step's depth and drafts cannot change the batch's tokens: all greedy, or coupled."""
+        return batch.sampling.all_greedy or self._coupled(batch)
+
+    def _sample(self, logits, batch, positions) -> torch.Tensor:
+        """One token per row from sanitized logits [B, V] at absolute ``positions`` [B]. Shape: -> [B]."""
+        if self._coupled(batch):
+            return coupled_sample(logits, batch.seeds, positions, nan_policy="off", params=batch.sampling)
+        return sample(logits, generator=batch.generators, nan_policy="off", params=batch.sampling)
+
+    def _coupled_drafts(self, batch):
+        """The ``drafting.LogitsTransform`` of coupled drafts, or None: a child at depth d sits at position
+        lengths + d and ranks the drafter's processed log-probs plus that position's noise, keyed by
+        target ids. Greedy rows of a mixed batch keep their logits (their top-k, as without coupling)."""
+        if not self._coupled(batch):
+            return None
+        seeds, base, s = batch.seeds, batch.target_cache.lengths, batch.sampling
+        token_ids = self._draft_token_ids()
+        greedy = (s.temperature <= 0)[:, None, None]
+
+        def transform(logits, depth):
+            B, F, _ = logits.shape
+            scores = coupled_scores(logits, seeds, (base + depth)[:, None].expand(B, F), nan_policy="off",
+                                    params=s, token_ids=token_ids)
+            return scores if batch.all_sampled else torch.where(greedy, logits.float(), scores)
+        return transform
+
+    def _draft_token_ids(self) -> torch.Tensor | None:
+        """The target id of each drafter-vocabulary id (None: the drafter's vocabulary is the target's)."""
+        vocab = getattr(self.drafter, "draft_vocab_size", None)
+        if vocab is None or vocab == self.target.config.vocab_size:
+            return None
+        return self.drafter.to_target_ids(torch.arange(vocab, device=self.target.device))
+
     def _draft_sampling(self, batch) -> DraftSampling | None:
         """Which rows sample their drafts (None: every row drafts greedily)."""
-        if self.draft_sampling == "greedy" or (self.draft_sampling == "auto" and batch.sampling.all_greedy):
+        if self.draft_sampling in ("greedy", "coupled") or (
+                self.draft_sampling == "auto" and batch.sampling.all_greedy):
             return None
         s = batch.sampling
         everyone = self.draft_sampling == "sampled" or batch.all_sampled
@@ -1094,10 +1154,13 @@ SEED_LIMIT = 2**63
 """Seeds are ints in [0, SEED_LIMIT): what a torch generator and an int64 tensor both hold."""
 
 
-def _request_generators(seed, B, device) -> list[torch.Generator] | None:
-    """One generator per request (None: torch's default generator, shared by the batch)."""
+def _request_seeds(seed, B, *, coupled: bool = False) -> list[int] | None:
+    """One seed per request (None: torch's default generator, shared by the batch). ``coupled``: a
+    seed is drawn for each request from torch's default generator when ``seed`` is None."""
     if seed is None:
-        return None
+        if not coupled:
+            return None
+        return torch.randint(0, SEED_LIMIT - 1, (B,)).tolist()   # host: set-up only
     if isinstance(seed, torch.Generator):
         seeds = torch.randint(0, 2**62, (B,), generator=seed, device=seed.device).tolist()  # host: setup only
     elif isinstance(seed, (list, tuple)):
@@ -1113,7 +1176,7 @@ def _request_generators(seed, B, device) -> list[torch.Generator] | None:
             shown = f"{s!r}" if not isinstance(seed, Integral) or isinstance(seed, bool) else f"{seed!r} + {i}"
             raise ValueError(f"seed must be None, an int in [0, 2**63), a list of them or a torch.Generator; "
                              f"request {i} gets {shown}")
-    return [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+    return [int(s) for s in seeds]
 
 
 def _stop_ids(stop_token_ids, B, vocab_size: int) -> list[frozenset]:
