@@ -16,6 +16,7 @@ Needs sglang (``make test-sglang``); skipped with "sglang not installed" otherwi
 from __future__ import annotations
 
 import logging
+import re
 import types
 
 import pytest
@@ -128,9 +129,28 @@ def _config_rank(rank: int) -> dict:
     return outcomes
 
 
+def _raise_rank(rank: int):
+    """One TP rank under ``raise`` with a NaN on rank 1 only: the rids its NanLogitsError names."""
+    import torch.distributed as dist
+    from sglang.srt.layers.sampler import Sampler
+
+    from numerics import NanLogitsError
+
+    with sglang_ranks_context(dist.group.WORLD), applied_plugin("raise"):
+        logits = _logits(len(RIDS))
+        if rank == 1:
+            logits[1, 2] = NAN
+        try:
+            decode_step(Sampler(), logits, [make_req(rid) for rid in RIDS])
+        except NanLogitsError as exc:
+            return exc.nan_counts
+    return None
+
+
 def _ranks_main(rank: int) -> dict:
     """Everything the two-rank tests check, in one spawn (each spawned rank imports sglang once)."""
-    return {"guard": _agreement_rank(rank, "guard"), "abort": _agreement_rank(rank, "abort"), "config": _config_rank(rank)}
+    return {"guard": _agreement_rank(rank, "guard"), "abort": _agreement_rank(rank, "abort"),
+            "raise": _raise_rank(rank), "config": _config_rank(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +166,10 @@ def test_ranks_finish_the_same_requests_when_only_one_rank_sees_nan(two_ranks, p
         assert out["sampler"] == sampler_aborts, f"rank {rank}"
         assert out["verify"] == ["req-c"], f"rank {rank}"
         assert out["sampler_host_syncs"] == [], f"rank {rank}: the reduction must not read the device"
+
+
+def test_raise_stops_every_rank_naming_the_request(two_ranks):
+    assert [out["raise"] for out in two_ranks] == [{"req-b": 1}, {"req-b": 1}]
 
 
 def test_start_fails_on_every_rank_when_policies_differ(two_ranks):
@@ -168,6 +192,37 @@ def test_one_rank_issues_no_collective(monkeypatch):
     assert sglang_plugin.agree(counts, (None, None)) is counts
     assert sglang_plugin.verify_groups() == ()  # torch.distributed not initialized: no group
     assert issued == []
+
+
+@pytest.mark.parametrize("dp_attention, expected", [(False, "tp-group"), (True, "attn-tp-group")])
+def test_verify_reduces_over_the_group_eagle_sample_broadcasts_over(monkeypatch, dp_attention, expected):
+    import torch.distributed as dist
+    from sglang.srt import runtime_context
+    from sglang.srt.layers import dp_attention as dpa
+
+    parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(world_size=4, device_group="tp-group"),
+                                     attn_tp_group=types.SimpleNamespace(world_size=2, device_group="attn-tp-group"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dpa, "is_dp_attention_enabled", lambda: dp_attention)
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: parallel)
+    assert sglang_plugin.verify_groups() == (expected,)
+    parallel.tp_group.world_size = parallel.attn_tp_group.world_size = 1  # attention-TP 1 / TP 1
+    assert sglang_plugin.verify_groups() == ()
+
+
+def test_groups_are_the_ones_sglang_itself_syncs_over():
+    """The plugin's choice of groups is SGLang's own: the Sampler's sync groups, eagle_sample's broadcast group."""
+    import inspect
+
+    from sglang.srt.layers.sampler import Sampler
+    from sglang.srt.speculative.eagle_utils import eagle_sample
+
+    init = inspect.getsource(Sampler.__init__)
+    assert "self.tp_sync_group = get_parallel().attn_tp_group.device_group" in init
+    assert "self.cp_sync_group = get_parallel().attn_cp_group.device_group" in init
+    verify = inspect.getsource(inspect.unwrap(eagle_sample))
+    assert re.search(r"get_parallel\(\)\.attn_tp_group\s+if is_dp_attention_enabled\(\)\s+else get_parallel\(\)\.tp_group", verify)
+    assert "tp_group.broadcast(accept_index, src=0)" in verify
 
 
 # ---------------------------------------------------------------- PP: SGLang's output ring
