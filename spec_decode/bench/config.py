@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from spec_decode.fixtures import find_fixtures_dir, missing_fixtures_hint
 
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
+COUPLED_TWINS = ("eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eagle3_tree")
+"""EAGLE methods that also run as ``KEY_coupled``: the same shape with ``draft_sampling="coupled"``."""
 METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
-               "eagle_lookup", "eagle3_tree")
+               "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
 DTYPE_NAMES = ("fp32", "bf16")
 NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
@@ -30,7 +32,8 @@ class MethodSpec:
     choose the depth per step. ``score_temperature``: ``SpecDecoder(tree_score_temperature=...)``
     (None: the library's default, 1.0). ``lookup_ngram``: ``SpecDecoder(lookup_ngram=...)`` (None: off),
     greedy steps that verify drafts copied from the request's context where its last n-gram occurred
-    before (``spec_decode.lookup``).
+    before (``spec_decode.lookup``). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)`` (None: the
+    library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
     """
 
     key: str
@@ -42,6 +45,7 @@ class MethodSpec:
     num_draft_tokens: int | None = None
     score_temperature: float | None = None
     lookup_ngram: int | None = None
+    draft_sampling: str | None = None
 
     @property
     def speculative(self) -> bool:
@@ -69,6 +73,8 @@ METHOD_SPECS = {
     "eagle_lookup": MethodSpec("eagle_lookup", "ours", "eagle", "eagle", 5, 1, 6, lookup_ngram=3),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8, score_temperature=0.5),
 }
+METHOD_SPECS.update({f"{k}_coupled": replace(METHOD_SPECS[k], key=f"{k}_coupled", draft_sampling="coupled")
+                     for k in COUPLED_TWINS})
 
 
 DRAFTER_OPTIONS = {"draft_lm": "--draft-lm", "eagle": "--eagle", "eagle3": "--eagle3"}
