@@ -195,8 +195,9 @@ class SpecDecoder:
     Either way (``trim_last_steps``, True by default) a step of greedy requests never drafts deeper
     than the batch can still use: with at most ``r`` tokens left to any of its requests
     (``max_new_tokens``), it drafts at most ``r - 1`` (a plain step for ``r = 1``), and such a step
-    is not reported to the controller. Batches with sampled requests keep their depth, so that a
-    request's draws, and its tokens, do not depend on the batch it runs in. ``spec-bench profile``
+    is not reported to the controller. Batches with sampled requests keep their depth (unless
+    ``draft_sampling="coupled"``), so that a request's draws, and its tokens, do not depend on the
+    batch it runs in. ``spec-bench profile``
     turns it off, so that every step it splits has the configured shape.
 
     ``draft_sampling``: ``"auto"`` (default) draws the drafts of requests with temperature > 0
@@ -228,8 +229,9 @@ class SpecDecoder:
     committed as any chain; it is cut to the shortest request's drafts and, with
     ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it. On the
     shipped fixtures (whose target loops on code) ``lookup_ngram=3`` turns a 5/1/6 chain's 1.9x
-    ``ar`` into 2.0-2.1x (README). Batches with sampled requests never take lookup steps, so that a
-    request's tokens do not depend on its batch-mates' contexts. ``method="none"`` with
+    ``ar`` into 2.0-2.1x (README). Batches with sampled requests take lookup steps only under
+    ``draft_sampling="coupled"``, so that a request's tokens never depend on its batch-mates'
+    contexts. ``method="none"`` with
     ``lookup_ngram`` is prompt lookup decoding alone.
 
     ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
@@ -390,9 +392,9 @@ class SpecDecoder:
 
     def _trimmed(self, depth: int, batch, req) -> int:
         """``depth``, or less at a greedy batch's end (``trim_last_steps``): a step emits its accepted
-        drafts + 1, so drafting more than any request's tokens left - 1 only costs. Greedy tokens do
-        not depend on the depth; sampled ones would, through the draws, so sampled batches keep it
-        (a request samples the same tokens in any batch)."""
+        drafts + 1, so drafting more than any request's tokens left - 1 only costs. Greedy and coupled
+        tokens do not depend on the depth; rejection-sampled ones would, through the draws, so such
+        batches keep it (a request samples the same tokens in any batch)."""
         if not self.trim_last_steps or not self._depth_free(batch):
             return depth
         return min(depth, _tokens_left(batch, req) - 1)
@@ -400,8 +402,8 @@ class SpecDecoder:
     def _lookup_tree(self, batch, req) -> DraftTree | None:
         """The batch's lookup drafts (``lookup_ngram``; ``spec_decode.lookup``) as a chain tree, or None.
 
-        None (the step drafts as configured) when lookup is off, when a request samples (its draws,
-        so its tokens, would depend on its batch-mates' contexts), or when some request's last n-gram
+        None (the step drafts as configured) when lookup is off, when a request samples by rejection
+        (its draws, so its tokens, would depend on its batch-mates' contexts), or when some request's last n-gram
         did not occur before. The chains are cut to the shortest request's drafts, and, with
         ``trim_last_steps``, to the tokens the batch can still use, as a drafted step is.
         Shape: returns tokens [B, N] with N - 1 <= ``lookup_tokens`` drafts after the root.
