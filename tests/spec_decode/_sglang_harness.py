@@ -1,4 +1,4 @@
-"""Run SGLang's real CPU-capable pieces in one process, for the plugin tests.
+"""Run SGLang's real CPU-capable pieces in one process, or in two joined by gloo, for the plugin tests.
 
 What cannot run on a CPU-only machine is replaced by the stand-ins in
 ``sglang_stand_ins/`` (``torchvision``, ``sgl_kernel``), which ``make test-sglang``
@@ -308,6 +308,7 @@ def run_ranks(fn, world_size: int, tmp_path, *args, timeout_s: float = 300.0) ->
     ``timeout_s`` (a hang, killed), and ``RuntimeError`` with a rank's traceback if one failed.
     """
     import json
+    import time
 
     import torch.multiprocessing as mp
 
@@ -319,8 +320,6 @@ def run_ranks(fn, world_size: int, tmp_path, *args, timeout_s: float = 300.0) ->
     ]
     for proc in procs:
         proc.start()
-    import time
-
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         proc.join(max(deadline - time.monotonic(), 0.1))

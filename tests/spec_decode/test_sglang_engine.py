@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -94,9 +95,13 @@ ENGINES = {
         CLEAN_CALL,
         _call("s", [("a", PROMPTS["a"], PARTIAL), ("c", PROMPTS["c"], CLEAN)], stream=True),
     ]),
-    # Two scheduler ranks (gloo on CPU), the default policy.
-    "tp2": ({}, [CLEAN_CALL, _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN),
-                                         ("c", PROMPTS["c"], CLEAN)], stream=True)]),
+    # Two scheduler ranks (gloo on CPU), the default policy. tp2: "dead1" is clean on rank 0
+    # and dead on rank 1 only (the test plugin in sglang_stand_ins/_safespec_test_faults.py).
+    "tp2": ({"SAFESPEC_TEST_NAN_ON_RANK": "1:s-dead1"}, [
+        CLEAN_CALL,
+        _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN), ("dead1", FRESH["dead2"], CLEAN),
+                    ("c", PROMPTS["c"], CLEAN)], stream=True),
+    ]),
     "pp2": ({}, [CLEAN_CALL, _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN),
                                          ("c", PROMPTS["c"], CLEAN)], stream=True)]),
 }
@@ -264,13 +269,19 @@ def test_sglang_plugins_allow_list_disables_the_plugin(engines):
 def test_tp_and_pp_engines_end_only_the_dead_request_on_every_rank(engines, name):
     """tp_size=2 / pp_size=2 on CPU: the dead row ends its request; the others keep their clean output.
 
-    Every rank (TP) or stage (PP) logs the abort: each finishes the request itself."""
+    Every rank (TP) or stage (PP) logs the abort: each finishes the request itself. Under TP
+    the request dead on rank 1 only ends on both ranks in the same step; were rank 0 to keep
+    it, the ranks' batches would part and the engine would hang (the test's timeout)."""
     run = engines[name]
     clean = _clean(run)
     out = _by_name(run["results"][1])
     _assert_finished_clean(out["a"], clean["a"])
     _assert_aborted(out["dead"], "guard", "s-dead")
     _assert_finished_clean(out["c"], clean["c"])
+    dead = ["s-dead", "s-dead1"] if name == "tp2" else ["s-dead"]
+    if name == "tp2":
+        _assert_aborted(out["dead1"], "guard", "s-dead1")
     prefix = DISTRIBUTED[name][1]
     for rank in (0, 1):
-        assert f"{prefix}{rank}] safespec: non-finite logits at SGLang sampler; aborting s-dead" in run["log"], rank
+        aborts = re.findall(rf"{prefix}{rank}\] safespec: non-finite logits at SGLang sampler; aborting (.+)", run["log"])
+        assert sorted({rid for line in aborts for rid in line.split(", ")}) == dead, (rank, aborts)
