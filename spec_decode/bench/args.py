@@ -205,3 +205,19 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
 def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="torch.compile our models (ar included), compiled during the warm-up calls")
+
+
+BENCH_EXTRA_MODULES = ("tqdm", "matplotlib", "safetensors")
+"""What every ``spec-bench`` run imports beyond the library (progress bars, plots, checkpoints):
+the ``[bench]`` extra. Hugging Face methods also need transformers, checked when they are chosen."""
+
+
+def missing_bench_extra(modules=BENCH_EXTRA_MODULES) -> str | None:
+    """A one-line message naming the ``[bench]`` extra when one of ``modules`` is not installed, else None."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"spec-bench: error: {', '.join(missing)} not installed: spec-bench needs the bench extra "
+            '(pip install "safespec[bench]")')

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_input_args, add_run_args, add_threads_arg,
-                                    csv_list, input_paths, nonneg_float, nonneg_int, positive_int, seed)
+                                    csv_list, input_paths, missing_bench_extra, nonneg_float, nonneg_int, positive_int,
+                                    seed)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DTYPE_NAMES, METHOD_KEYS,
                                       BenchConfig, BenchInputError, default_dtype_name)
 
@@ -89,6 +90,10 @@ def _busy(threads: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``spec-bench`` and ``python -m spec_decode.bench``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    missing = None if {"-h", "--help"} & set(argv) else missing_bench_extra()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     if argv and argv[0] == "numerics":
         from spec_decode.bench.numerics_bench import main as numerics_main
         return numerics_main(argv[1:])

@@ -268,3 +268,19 @@ def test_tune_reads_the_prompts_it_measures_for_the_position_check(fx, tmp_path,
     with pytest.raises(SystemExit):
         main(argv)
     assert "--max-new-tokens" in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("module", ["tqdm", "matplotlib", "safetensors"])
+def test_missing_bench_extra_names_it(monkeypatch, capsys, module):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
+    from spec_decode.bench.cli import main
+
+    assert main(["--methods", "ar"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and module in err[0] and 'safespec[bench]' in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
