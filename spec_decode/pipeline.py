@@ -264,6 +264,8 @@ class SpecDecoder:
         self.num_steps = num_steps
         self.max_steps, self.topk, self.num_draft_tokens = max_steps, topk, num_draft_tokens
         self.draft_sampling = draft_sampling
+        # coupled drafts key their noise by target ids: a reduced draft vocabulary maps its ids once
+        self._coupled_token_ids = self._draft_token_ids() if draft_sampling == "coupled" else None
         self.tree_score_temperature = check_score_temperature(tree_score_temperature, "tree_score_temperature")
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.lookup_ngram, self.lookup_tokens = check_lookup_args(lookup_ngram, lookup_tokens)
@@ -632,7 +634,7 @@ class SpecDecoder:
         if not self._coupled(batch):
             return None
         seeds, base, s = batch.seeds, batch.target_cache.lengths, batch.sampling
-        token_ids = self._draft_token_ids()
+        token_ids = self._coupled_token_ids
         greedy = (s.temperature <= 0)[:, None, None]
 
         def transform(logits, depth):
