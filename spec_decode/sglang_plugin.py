@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import torch
+import torch.distributed as dist
 
 from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits, sanitize_nan_logits
 from samplers import clean_probs
@@ -291,8 +292,6 @@ def mark_aborted(req, message: str, withheld: int = 0) -> None:
 
 def _has_peers(group) -> bool:
     """Whether ``group`` (a torch ProcessGroup, or None) joins this process with another one."""
-    import torch.distributed as dist
-
     return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
@@ -306,8 +305,6 @@ def agree(counts: torch.Tensor, groups) -> torch.Tensor:
     the same step. Groups with one rank are skipped: nothing is issued. On the stream: a
     device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
     """
-    import torch.distributed as dist
-
     for group in groups:
         if _has_peers(group):
             dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
@@ -321,8 +318,6 @@ def sampler_groups(sampler) -> tuple:
 
 def verify_groups() -> tuple:
     """The group ``eagle_sample`` broadcasts its accept results over (attention-TP under DP attention)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return ()  # one process: no peer to agree with (and SGLang publishes no groups)
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
@@ -521,8 +516,6 @@ def check_ranks_agree(config: dict, group) -> None:
     One ``all_gather_object`` on ``group`` (a CPU/gloo group), once at start-up; nothing
     when ``group`` has one rank.
     """
-    import torch.distributed as dist
-
     if not _has_peers(group):
         return
     configs = [None] * dist.get_world_size(group)
