@@ -338,6 +338,14 @@ def test_pp_ring_carries_the_counts_beside_another_plugins_output():
     assert _aborted(stage_reqs) == ["req-c"]
 
 
+def test_with_pp_relay_guard_stays_guard_under_pp():
+    with restoring_hook_targets():
+        state = sglang_plugin.register("guard")
+    assert state.pp_relay_missing is None
+    sglang_plugin.fall_back_without_pp_relay(state, pp_size=4)
+    assert state.policy is NanPolicy.GUARD
+
+
 def test_without_pp_relay_guard_falls_back_to_sanitize_once(monkeypatch, caplog):
     monkeypatch.delattr(SchedulerPPMixin, "_pp_prep_batch_result")
     with restoring_hook_targets(), caplog.at_level(logging.WARNING, logger=sglang_plugin.__name__):
