@@ -284,5 +284,6 @@ def test_tp_and_pp_engines_end_only_the_dead_request_on_every_rank(engines, name
         _assert_aborted(out["dead1"], "guard", "s-dead1")
     prefix = DISTRIBUTED[name][1]
     for rank in (0, 1):
-        aborts = re.findall(rf"{prefix}{rank}\] safespec: non-finite logits at SGLang sampler; aborting (.+)", run["log"])
+        line = rf"{prefix}{rank}\] safespec: non-finite logits at SGLang sampler; aborting (.+)"
+        aborts = re.findall(line, run["log"])
         assert sorted({rid for line in aborts for rid in line.split(", ")}) == dead, (rank, aborts)

@@ -79,8 +79,8 @@ def _verify_step(reqs, logits):
     verify_input = types.SimpleNamespace(draft_token_num=DRAFT_TOKEN_NUM, draft_probs=None)
     logits_output = LogitsProcessorOutput(next_token_logits=logits)
     registered_hook(sglang_plugin.VERIFY_TARGET)(lambda *a, **k: None, verify_input, batch, logits_output, None)
-    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=torch.zeros(len(reqs), dtype=torch.int64),
-                                   copy_done=CopyDone())
+    next_token_ids = torch.zeros(len(reqs), dtype=torch.int64)
+    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids, copy_done=CopyDone())
     result.copy_to_cpu(return_logprob=False)
     registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, batch, result)
 
@@ -221,7 +221,8 @@ def test_groups_are_the_ones_sglang_itself_syncs_over():
     assert "self.tp_sync_group = get_parallel().attn_tp_group.device_group" in init
     assert "self.cp_sync_group = get_parallel().attn_cp_group.device_group" in init
     verify = inspect.getsource(inspect.unwrap(eagle_sample))
-    assert re.search(r"get_parallel\(\)\.attn_tp_group\s+if is_dp_attention_enabled\(\)\s+else get_parallel\(\)\.tp_group", verify)
+    broadcast_group = r"get_parallel\(\)\.attn_tp_group\s+if is_dp_attention_enabled\(\)\s+else get_parallel\(\)\.tp_group"
+    assert re.search(broadcast_group, verify)
     assert "tp_group.broadcast(accept_index, src=0)" in verify
 
 
@@ -331,7 +332,8 @@ def test_pp_ring_carries_the_counts_beside_another_plugins_output():
         batch = types.SimpleNamespace(reqs=stage_reqs, return_logprob=False, req_pool_indices=None, input_ids=None,
                                       spec_algorithm=types.SimpleNamespace(is_dspark=lambda: False))
         metadata = types.SimpleNamespace(can_run_cuda_graph=False, fpm_timing=None, fwd_batch=None)
-        out = SchedulerPPMixin._pp_prep_batch_result(_stage(True, _PPObserver()), batch, metadata, PPProxyTensors(tensors))
+        stage = _stage(is_first=True, observer=_PPObserver())
+        out = SchedulerPPMixin._pp_prep_batch_result(stage, batch, metadata, PPProxyTensors(tensors))
         assert isinstance(out.auxiliary_host_output, CompositeHostAuxiliaryOutput)
         assert torch.equal(out.auxiliary_host_output.outputs[0].tensor, torch.arange(3))  # the other plugin's, intact
         registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, batch, out)
@@ -366,7 +368,8 @@ def test_without_pp_relay_guard_falls_back_to_sanitize_once(monkeypatch, caplog)
 def test_ranks_hook_checks_the_world_group_and_pp_size(monkeypatch):
     """The start-up hook reads SGLang's world CPU group and pp_size from its parallel context."""
     seen = {}
-    monkeypatch.setattr(sglang_plugin, "check_ranks_agree", lambda config, group: seen.update(config=config, group=group))
+    monkeypatch.setattr(sglang_plugin, "check_ranks_agree",
+                        lambda config, group: seen.update(config=config, group=group))
     world = types.SimpleNamespace(cpu_group="world-cpu-group")
     from sglang.srt.runtime_context import get_parallel
 
