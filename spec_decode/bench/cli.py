@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
               "oversubscribe a busy CPU (tiny models can run 10-100x slower). Consider --threads 1.",
               file=sys.stderr)
     needs_hf = any(m.startswith("hf_") for m in cfg.methods)
+    missing = missing_bench_extra(("transformers",)) if needs_hf else None
+    if missing:
+        parser.error(f"--methods: the hf_ methods need transformers; {missing.split('error: ', 1)[1]}")
     try:
         with torch_threads(cfg.threads), _quiet_transformers() if needs_hf else contextlib.nullcontext():
             results = run_bench(cfg)

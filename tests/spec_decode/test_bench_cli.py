@@ -284,3 +284,17 @@ def test_missing_bench_extra_names_it(monkeypatch, capsys, module):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
+
+
+def test_hf_methods_without_transformers_name_the_extra(monkeypatch, capsys, no_work):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    from spec_decode.bench.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--methods", "ar,hf_generate"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--methods" in err[-1] and "transformers" in err[-1] and "safespec[bench]" in err[-1]
