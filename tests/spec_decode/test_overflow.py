@@ -253,10 +253,10 @@ def test_policy_raise_on_the_real_fault(planted_decoder_factory, clean_prompts, 
     prompts = batch_with_trigger(clean_prompts, trigger_id)
     if safespec_spec_dtype == torch.float16:
         with pytest.raises(NanLogitsError) as err:
-            dec.generate(prompts, max_new_tokens=8, request_ids=["a", "b", "c"])
+            dec.generate(prompts, max_new_tokens=8, ignore_eos=True, request_ids=["a", "b", "c"])
         assert set(err.value.nan_counts) == {"b"}
     else:
-        results = dec.generate(prompts, max_new_tokens=8, request_ids=["a", "b", "c"])
+        results = dec.generate(prompts, max_new_tokens=8, ignore_eos=True, request_ids=["a", "b", "c"])
         assert all(r.finish_reason == "length" and not r.nan_events for r in results)
 
 
@@ -264,8 +264,8 @@ def test_policy_raise_on_the_real_fault(planted_decoder_factory, clean_prompts, 
 def test_policy_abort_isolates_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id, safespec_spec_dtype):
     dec = planted_decoder_factory(safespec_spec_dtype, "abort")
     prompts = batch_with_trigger(clean_prompts, trigger_id)
-    results = dec.generate(prompts, max_new_tokens=12)
-    alone = dec.generate([prompts[0], prompts[2]], max_new_tokens=12)
+    results = dec.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    alone = dec.generate([prompts[0], prompts[2]], max_new_tokens=12, ignore_eos=True)
     if safespec_spec_dtype == torch.float16:
         assert results[1].finish_reason == "nan_abort"
     else:
@@ -278,7 +278,7 @@ def test_policy_abort_isolates_the_real_fault(planted_decoder_factory, clean_pro
 def test_policy_sanitize_records_the_real_fault(planted_decoder_factory, clean_prompts, trigger_id,
                                                 safespec_spec_dtype):
     dec = planted_decoder_factory(safespec_spec_dtype, "sanitize")
-    results = dec.generate(batch_with_trigger(clean_prompts, trigger_id), max_new_tokens=8)
+    results = dec.generate(batch_with_trigger(clean_prompts, trigger_id), max_new_tokens=8, ignore_eos=True)   # sanitized noise may emit EOS
     assert not results[0].nan_events and not results[2].nan_events
     assert bool(results[1].nan_events) == (safespec_spec_dtype == torch.float16)
     assert all(r.finish_reason == "length" for r in results)
