@@ -49,9 +49,9 @@ from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sa
                       coupled_scores, greedy_accept, greedy_tree_verify, logits_to_probs, sample, tree_verify)
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature, draft_tree
-from spec_decode.faults import FaultPlan
+from spec_decode.testing.faults import FaultPlan
 from spec_decode.lookup import ContextLookup, check_lookup_args
-from spec_decode.model import KVCache, Transformer
+from spec_decode.models import KVCache, Transformer
 
 _log = logging.getLogger("safespec.spec_decode")
 METHODS = ("eagle", "eagle3", "draft_model", "none")
@@ -300,7 +300,7 @@ class SpecDecoder:
         target = Transformer.from_pretrained(target_path, dtype=dtype, device=device)
         drafter = None
         if method != "none":
-            from spec_decode.eagle import load_drafter
+            from spec_decode.models.eagle import load_drafter
             drafter = load_drafter(draft_path, target, method=method, dtype=dtype, device=device)
         return cls(target, drafter, method=method, num_steps=num_steps, topk=topk,
                    num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
@@ -1213,7 +1213,7 @@ def _check_method(method, drafter):
 
 def _check_drafter(target, drafter, method, topk):
     """The drafter's class must match ``method``; top-k must fit its vocabulary."""
-    from spec_decode.eagle import Eagle3Head, EagleHead
+    from spec_decode.models.eagle import Eagle3Head, EagleHead
 
     expected = {"eagle": EagleHead, "eagle3": Eagle3Head, "draft_model": Transformer}[method]
     if not isinstance(drafter, expected):

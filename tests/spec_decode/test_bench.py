@@ -25,7 +25,7 @@ from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import markdown_table
 from spec_decode.bench.run import CONTRACT_KEYS, percentile
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -688,7 +688,7 @@ def test_profile_of_eagle_lookup_says_its_lookup_steps_are_off(fake_fixtures, ca
 def _run_gemm(fake_fixtures, capsys, *args) -> str | None:
     """``spec-bench gemm`` on the fake fixtures (one prompt x 4 tokens); its output, or None where the
     kernel cannot run (after checking that it says so)."""
-    from spec_decode import cpu_gemm
+    from spec_decode.cpu import cpu_gemm
 
     rc = main(["gemm"] + _model_args(fake_fixtures) + ["--repeats", "3", "--num-prompts", "1",
                                                        "--max-new-tokens", "4", *args])
@@ -786,7 +786,7 @@ def test_tune_shapes_carry_a_tree_score_temperature(fake_fixtures, tmp_path):
 
 def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
     from spec_decode.bench.tune import DEFAULT_SHAPES, is_chain, score_temperature
-    from spec_decode.eagle import load_drafter
+    from spec_decode.models.eagle import load_drafter
     from spec_decode.pipeline import SpecDecoder
 
     assert 10 <= len(DEFAULT_SHAPES) <= 20 and len(set(DEFAULT_SHAPES)) == len(DEFAULT_SHAPES)

@@ -90,7 +90,7 @@ def _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, num_
 
 def _target_and_drafter(tmp_path, kind: str):
     """A tiny fp32 target and a drafter of ``kind`` (eagle, eagle3 or draft_model) for it."""
-    from spec_decode.model import Transformer
+    from spec_decode.models import Transformer
     from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
     target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)
@@ -140,7 +140,7 @@ def test_sampled_depth_budget(shape, budget):
 def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
     """Sampled rows: real nodes = the budget, siblings distinct, q at every expanded node; greedy rows unchanged."""
     from spec_decode.drafting import DraftSampling, draft_tree, sampled_depth_budget
-    from spec_decode.model import Transformer
+    from spec_decode.models import Transformer
     from tiny_models import make_tiny_eagle, make_tiny_target
 
     target = Transformer.from_pretrained(make_tiny_target(tmp_path, seed=0), dtype=torch.float32)

@@ -76,25 +76,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from spec_decode.checkpoint import load_state_dict, read_key_names, save_state_dict
-from spec_decode.model import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    KVCache,
-    LayerInputs,
-    Linear,
-    ModelConfig,
-    ModelOutput,
-    RMSNorm,
-    RopeFrequencies,
-    Transformer,
-    assign_state,
-    block_inputs,
-    chain_block_inputs,
-    check_block_args,
-    set_exact_nan,
-)
+from spec_decode.cpu import Linear
+from spec_decode.models.checkpoint import load_state_dict, read_key_names, save_state_dict
+from spec_decode.models.config import ModelConfig, RopeFrequencies
+from spec_decode.models.kv_cache import KVCache
+from spec_decode.models.layers import MLP, Attention, DecoderLayer, RMSNorm, set_exact_nan
+from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
+from spec_decode.models.transformer import ModelOutput, Transformer, assign_state
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
