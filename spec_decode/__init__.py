@@ -15,9 +15,9 @@ import importlib
 
 _EXPORTS = {
     "SpecDecoder": "spec_decode.pipeline",
-    "GenerationResult": "spec_decode.pipeline",
-    "NanEvent": "spec_decode.pipeline",
-    "StepStats": "spec_decode.pipeline",
+    "GenerationResult": "spec_decode.results",
+    "NanEvent": "spec_decode.results",
+    "StepStats": "spec_decode.results",
     "NanFault": "spec_decode.testing.faults",
     "Transformer": "spec_decode.models.transformer",
     "ModelConfig": "spec_decode.models.config",

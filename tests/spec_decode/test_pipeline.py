@@ -80,7 +80,7 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_gree
 def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkeypatch):
     """All-greedy tree steps go through ``greedy_tree_verify`` with the drafter's mask (lossless, and no
     ``tree_verify`` call); a batch with a sampled request still walks with ``tree_verify``."""
-    import spec_decode.pipeline as pipeline
+    import spec_decode.step as pipeline   # verify_tree looks the verifiers up in spec_decode.step
 
     seen = []
     for name in ("greedy_tree_verify", "tree_verify"):
