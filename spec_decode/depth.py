@@ -43,7 +43,7 @@ class DepthController:
     the ends; from plain steps, the best drafting depth, whose steps observe every level); the interval
     doubles (up to 4x) while probes leave the choice unchanged and resets when it changes. Near the
     best depth the rate is flat, so a probe costs a few percent of one step. A depth's first timed
-    step is not used (its first calls at new shapes build their kernels: up to 2x slower on CPU).
+    step is not used (its first calls at new shapes build their kernels, so it runs slow).
     A step whose time the decoder marks unrepresentative (``seconds=None``: it caught up a backlog)
     runs again at the same depth right after, so that a probe after plain steps still gets timed.
     Statistics persist across ``generate`` calls.

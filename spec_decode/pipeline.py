@@ -44,12 +44,13 @@ from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, 
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.lookup import ContextLookup, check_lookup_args
 from spec_decode.models import Transformer
-from spec_decode.requests import (DEFAULT_TREE_SHAPES, DRAFT_SAMPLING, METHODS, _append_at, _auto_max_steps, _check_drafter, _check_method,
-                                  _check_tree_shape, _compile_in_place, _lookup_budget, _request_seeds, _Requests,
-                                  _right_pad, _shift_left_insert, _tokens_left, _tree_capacity, default_tree_shape)
+from spec_decode.outcome import finish_step
+from spec_decode.requests import (DEFAULT_TREE_SHAPES, DRAFT_SAMPLING, METHODS, _append_at, _auto_max_steps,
+                                  _check_drafter, _check_method, _check_tree_shape, _compile_in_place, _lookup_budget,
+                                  _request_seeds, _Requests, _right_pad, _shift_left_insert, _tokens_left,
+                                  _tree_capacity, default_tree_shape)
 from spec_decode.results import (FINISH_LENGTH, FINISH_NAN_ABORT, FINISH_STOP, NAN_KINDS, GenerationResult, NanEvent,
                                  StepStats)
-from spec_decode.outcome import finish_step
 from spec_decode.step import _Batch, _HostRow, verify_tree
 from spec_decode.testing.faults import FaultPlan
 
@@ -98,9 +99,9 @@ class SpecDecoder:
 
     ``tree_score_temperature``: how greedy requests' trees rank candidates (``drafting.draft_tree``'s
     ``score_temperature``). 1.0 (default) is EAGLE-2's rule, the drafter's confidence; below 1
-    keeps more of the drafter's first choices, deeper, and fewer siblings. On the shipped EAGLE
-    head 0.5 lifts the 4/2/8 tree's mean accepted length from 3.19 to 3.52 (``spec-bench tune``
-    sweeps it). Chains and sampled requests are not affected.
+    keeps more of the drafter's first choices, deeper, and fewer siblings (``spec-bench tune``
+    sweeps it; the gain on the shipped EAGLE head is in the README). Chains and sampled requests are
+    not affected.
 
     ``lookup_ngram``: 0 (default) drafts every step with the drafter. ``n >= 1`` makes a step of
     greedy requests verify **lookup drafts** instead whenever each request's last ``n`` tokens
@@ -109,10 +110,10 @@ class SpecDecoder:
     (``spec_decode.lookup``). Such a step makes no drafter call (the drafter catches up on its tokens
     at the next drafted step), costs one target forward over the drafts, and is verified and
     committed as any chain; it is cut to the shortest request's drafts and, with
-    ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it. On the
-    shipped fixtures (whose target loops on code) ``lookup_ngram=3`` turns a 5/1/6 chain's 1.9x
-    ``ar`` into 2.0-2.1x (README). Batches with sampled requests never take lookup steps, so that a
-    request's tokens do not depend on its batch-mates' contexts. ``method="none"`` with
+    ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it.
+    Lookup pays where contexts repeat (the README has the shipped fixtures' figures). Batches with
+    sampled requests never take lookup steps, so that a request's tokens do not depend on its
+    batch-mates' contexts. ``method="none"`` with
     ``lookup_ngram`` is prompt lookup decoding alone.
 
     ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
@@ -121,7 +122,7 @@ class SpecDecoder:
     ``compile=True`` compiles the target's and the drafter's forwards in place
     (``nn.Module.compile(dynamic=True)``: one graph serves every batch size, block length and cache
     length). On CPU it fuses the many small ops of these tiny models; the first ``generate`` pays
-    the compilation (tens of seconds to minutes). The NaN pass, sampling and verification stay
+    the compilation. The NaN pass, sampling and verification stay
     eager, so the NaN guarantees do not depend on the compiler; fused kernels may round differently
     from eager ones (about 1e-6 in fp32), so compare greedy outputs with a compiled ``ar``.
     """
@@ -149,7 +150,6 @@ class SpecDecoder:
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.lookup_ngram, self.lookup_tokens = check_lookup_args(lookup_ngram, lookup_tokens)
         self.last_stats = StepStats()
-        self._offsets: dict[tuple, torch.Tensor] = {}   # _row_offsets' cache
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
@@ -329,8 +329,8 @@ class SpecDecoder:
         max_len = self._max_len(req)
         tcache = self.target.new_cache(B, max_len)
         aux = self.drafter.aux_layers if self.drafter else ()
-        # logits of each prompt's last row only: the lm_head over every prompt row was a tenth of a
-        # prefill (2.6 of 23 ms for 89 tokens on CPU) and only that row's are read
+        # logits of each prompt's last row only: the only row read, and the lm_head over every prompt
+        # row would be a sizeable share of the prefill
         out = self.target(ids, tcache, input_lens=lens, aux_layers=aux, kv_len=ids.shape[1], return_logits=False)
         tcache.commit(lens)
         last = (lens - 1)[:, None, None]
@@ -543,14 +543,10 @@ class SpecDecoder:
         return nonfinite_counts_per_request(logits2d, self._row_offsets(B, rows_per_request, logits2d.device),
                                             sanitize=sanitize)
 
-    def _row_offsets(self, batch: int, rows_per_request: int, device) -> torch.Tensor:
-        """``cu_num_rows`` [B + 1] int32 of ``batch`` requests with equal row counts, cached: a step
-        reuses the last one (an op per NaN pass saved, ~10 us on CPU between big forwards)."""
-        key = (batch, rows_per_request, device)
-        if key not in self._offsets:   # at most two row counts per batch size
-            self._offsets[key] = torch.arange(0, (batch + 1) * rows_per_request, rows_per_request, device=device,
-                                              dtype=torch.int32)
-        return self._offsets[key]
+    @staticmethod
+    def _row_offsets(batch: int, rows_per_request: int, device) -> torch.Tensor:
+        """``cu_num_rows`` [B + 1] int32 of ``batch`` requests with equal row counts."""
+        return torch.arange(0, (batch + 1) * rows_per_request, rows_per_request, device=device, dtype=torch.int32)
 
     @staticmethod
     def _inject(req, step: int, site: str, batch, tensor: torch.Tensor | None = None) -> None:

@@ -16,43 +16,25 @@ _PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32 = "plain", "bf16 packed", "bf16 as fp
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` with faster CPU inference paths, each chosen for what this CPU runs well.
+    """``nn.Linear`` with CPU inference routes, each taken where this CPU runs it faster than ``F.linear``.
 
-    ``F.linear`` hands a weight to its CPU kernel, which lays it out again on every call; packing it once
-    (``torch.ops.mkldnn._reorder_linear_weight``) and calling the packed kernel saves that work:
+    Routes, in order of precedence (figures and the commands that measure them: ``docs/performance.md``):
 
-    * **bf16**, on a CPU where oneDNN runs bf16 (``avx512_bf16``): every projection. Bit-identical
-      to ``F.linear`` (tested over shapes, batch sizes and biases); on an AVX-512 EPYC, 83 -> 49 us
-      for a one-row 192 x 4096 projection, 29 -> 23 us for 192 x 1024.
-    * **bf16 on any other CPU** (AVX2), over two rows or more: computed from a float32 copy of the
-      weight (and bias), the result rounded to bf16 once. There ``F.linear`` runs bf16 4x slower
-      than float32 on a 5-row block (192 x 4096: 1,012 against 247 us on an AVX2 EPYC; a whole
-      5-row forward of the shipped target 1.18x faster, 8 rows 1.53x). One row keeps bf16
-      ``F.linear``: a decode step streams half the weight bytes, and came out 1.35x faster so than
-      MKL's float32. Where the panel kernel (below) runs, it serves these projections first, one
-      row included (one-row 192 x 4096: 45 against 208 us; a chain-4 step 11.6 against 12.6 ms).
+    * **bf16 on a CPU where oneDNN runs bf16** (``onednn_bf16_native``): every projection uses its
+      weight packed once for oneDNN (``F.linear`` lays it out again on every call). Bit-identical to
+      ``F.linear`` (tested over shapes, batch sizes and biases).
+    * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows: ``cpu_gemm.PanelWeight``, a
+      panel-packed FMA kernel in float32 (bf16 inputs widen exactly and the result rounds to bf16
+      once; a bf16 layer's panels stay bf16, the same bits from half the bytes). Its outputs sum in k
+      order whatever the row count, so a row gets the same bits alone or in a verify block.
+    * **bf16 on any other CPU** (``bf16_runs_as_fp32``), over two rows or more: computed from a
+      float32 copy of the weight (and bias), rounded to bf16 once; one row keeps bf16 ``F.linear``.
       Both sum in float32 and round once, in different orders: about 1 output in 10,000 differs by
-      one bf16 ulp, NaN and Inf land in the same places. The float32 rules below then apply.
-    * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows (128 on one torch thread, 16
-      on more): ``cpu_gemm.PanelWeight``, a panel-packed FMA kernel in float32 (built on first use,
-      one thread; bf16 inputs go up to float32 and the result rounds to bf16 once; a bf16 layer's
-      panels stay bf16, which gives the same bits from half the bytes: bf16 `ar` 1.08-1.10x and
-      chain steps 1.10-1.15x faster than from float32 panels in three A/B runs, where the 12-layer
-      target's float32 panels overflow the L3 cache). MKL's sgemm runs
-      a few rows at a third of the core's speed there: a 5-row 192 x 1024 projection takes 64 us,
-      against 24 us in the kernel (5-row 192 x 4096: 247 against 83 us; one row 192 x 1024: 23
-      against 15 us). Its outputs sum in k order whatever the row count (batch invariant: a row
-      gets the same bits alone or in a verify block). More rows, or no kernel
-      (``cpu_gemm.available()``), take the rules below.
-    * **fp32**, wide projections only (``fp32_packs``), on AVX-512 and AVX2 CPUs with their own
-      thresholds: there MKL's small-batch sgemm is slow and oneDNN is not. AVX-512: at least
-      1,024 outputs over two rows or more, or 3,072 on one row (a 5-row 192 x 4096, a chain's
-      verify lm_head: 98-117 us against 207-229 us). AVX2: at least 2,048 outputs over two rows
-      or more (5-row 192 x 4096: 150 against 241 us; one row never wins). Narrower projections
-      keep ``F.linear``, which is faster for them. Results equal ``F.linear``'s to float32 rounding
-      (the libraries sum in different orders on few rows), NaN and Inf included.
+      one bf16 ulp, NaN and Inf land in the same places. The float32 rule below then applies.
+    * **fp32**, wide projections only (``fp32_packs``, thresholds per CPU class): the packed oneDNN
+      weight. Results equal ``F.linear``'s to float32 rounding, NaN and Inf included.
 
-    Each path keeps a second copy of the weight (packed, panels or float32), rebuilt when the weight is
+    Each route keeps a second copy of the weight (packed, panels or float32), rebuilt when the weight is
     replaced or changed in place; ``set_packed_linears(module, False)`` turns them all off.
     Everywhere else (grad mode, CUDA, fp16, ``torch.compile``, weights created under
     ``torch.inference_mode``, which keep no version counter), and with ``packed=None`` on a CPU
@@ -68,10 +50,7 @@ class Linear(nn.Linear):
         self._route_by_dtype: dict = {}   # (input dtype, weight dtype) -> path, filled by _route
 
     def forward(self, x: Tensor) -> Tensor:
-        # parameters read from _parameters: nn.Module's attribute lookup costs ~0.8 us each, and a one-row
-        # projection of these tiny models costs 6-25 us in all
-        params = self._parameters
-        w, b = params["weight"], params["bias"]
+        w, b = self.weight, self.bias
         # compiled graphs keep F.linear, checked first: the rules below would break the graph at every
         # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager.
         # Inference tensors keep no version counter, so an in-place change could not be seen.
@@ -142,7 +121,7 @@ class Linear(nn.Linear):
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:
         """``weight`` packed for oneDNN, cached under ``name`` until the layer's own weight changes."""
-        w = self._parameters["weight"]
+        w = self.weight
         key = (w.data_ptr(), w._version, weight.dtype)
         cached = self.__dict__.get(name)
         if cached is None or cached[0] != key:

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        # the casts are skipped, not made no-ops, in float32: each op call costs ~1 us on these tiny models
+        # the casts are skipped, not made no-ops, in float32: a no-op cast is still an op call
         xf = x if dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf if dtype == torch.float32 else xf.to(dtype))
@@ -73,8 +73,8 @@ class Attention(nn.Module):
     exact arithmetic, instead of every query of the block (plain SDPA computes 0 * NaN = NaN for
     masked rows). This keeps a NaN tree branch from poisoning its siblings and a poisoned position
     from poisoning the tokens before it; finite results are unchanged. It costs about 10 small ops
-    per layer (0.3-0.6 ms on a 12-layer tiny model on CPU, ~10%), so ``set_exact_nan`` turns it on
-    by default only for float16, where overflow makes NaN part of normal operation.
+    per layer, so ``set_exact_nan`` turns it on by default only for float16, where overflow makes NaN
+    part of normal operation.
     """
 
     def __init__(self, config: ModelConfig, in_dim: int | None = None):
