@@ -127,7 +127,7 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
         logits: [num_rows, V]; cu_num_rows: [num_reqs + 1];
         returns ``NonfiniteCounts`` of three int32 [num_reqs] (views of one [3, num_reqs + 1]).
     """
-    from .counts import NonfiniteCounts
+    from ._counts_result import NonfiniteCounts
     from .sanitize import _distinct_elements, _sanitize_reference, sanitize_bound
 
     if triton is None:

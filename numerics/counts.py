@@ -8,27 +8,13 @@ none. Rows outside every range (padding) are ignored.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from ._counts_result import NonfiniteCounts
 from .sanitize import _sanitize_reference, check_float_logits
 
 BACKENDS = ("auto", "triton", "torch")
-
-
-class NonfiniteCounts(NamedTuple):
-    """Per-request counts of one verification batch: three int32 [num_reqs] device tensors.
-
-    nan: NaN entries per request. inf: +-Inf entries per request. dead_rows: rows with no
-    finite value per request (every entry NaN or +-Inf; see the glossary in
-    ``numerics.policy``). The three are views of one int32 [3, num_reqs + 1] buffer, so a
-    caller can copy them to the host together.
-    """
-
-    nan: torch.Tensor
-    inf: torch.Tensor
-    dead_rows: torch.Tensor
+__all__ = ["BACKENDS", "NonfiniteCounts", "nan_counts_per_request", "nonfinite_counts_per_request"]
 
 
 def _row_owner(cu_num_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -67,6 +53,17 @@ def _row_counts(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _rows_with_nonfinite_sum(logits: torch.Tensor) -> torch.Tensor:
+    """Indices of the rows whose sum is not finite: the only rows that can hold NaN or +-Inf.
+
+    A row with a NaN or an Inf has a NaN or Inf sum, so counting only these rows (plus finite
+    rows whose sum overflowed) keeps the counts exact while reading each clean row once.
+    ``nonzero`` gives a data-sized tensor: on CPU it reads host memory, no device sync, which is
+    why only the CPU path filters. Shape: logits [n, V]; returns int64 [n_flagged].
+    """
+    return (~torch.isfinite(logits.sum(dim=-1))).nonzero().squeeze(1)
+
+
 def _nonfinite_counts_reference(
     logits: torch.Tensor, cu_num_rows: torch.Tensor, *, sanitize: bool = False
 ) -> NonfiniteCounts:
@@ -79,17 +76,7 @@ def _nonfinite_counts_reference(
     num_reqs = cu_num_rows.shape[0] - 1
     counts = torch.zeros(3, num_reqs + 1, dtype=torch.int32, device=logits.device)
     if logits.device.type == "cpu" and _CPU_ROW_SUM_FILTER:
-        # A row whose sum is finite holds no NaN and no Inf (either makes the sum NaN or Inf),
-        # so only the flagged rows (non-finite entries, or a finite sum that overflowed) are
-        # counted entry by entry. The row sum is one vectorized read, ~10x cheaper than
-        # counting a boolean mask, and the counts stay exact. nonzero() gives a data-sized
-        # tensor: on CPU that reads host memory, no device sync; elsewhere this branch is off.
-        # With no row flagged (the usual case) there is nothing to count: the half-dozen ops
-        # that attribute flagged rows to requests are skipped (~50 us of a 90 us pass).
-        # s - s is 0 for a finite sum and NaN otherwise (NaN counts as nonzero): one op fewer than
-        # ~isfinite(s), and each op costs ~10 us on CPU between two big forwards.
-        sums = logits.sum(dim=-1)
-        flagged = (sums - sums).nonzero().squeeze(1)  # [n_flagged]
+        flagged = _rows_with_nonfinite_sum(logits)  # [n_flagged]
         if flagged.numel():
             owner = _row_owner(cu_num_rows, num_rows)  # [num_rows]
             counts.index_add_(1, owner.index_select(0, flagged), _row_counts(logits.index_select(0, flagged)))

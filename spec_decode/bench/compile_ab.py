@@ -25,8 +25,8 @@ def ar_and_chain(target_path, eagle_path, dtype, tag: str, *, compile: bool = Fa
     ``"eagle_chain <tag>"``. ``prepare(module)``, when given, runs on the target and the head first.
     Returns {name: SpecDecoder}."""
     from spec_decode import SpecDecoder
-    from spec_decode.eagle import load_drafter
-    from spec_decode.model import Transformer
+    from spec_decode.models.eagle import load_drafter
+    from spec_decode.models import Transformer
 
     target = Transformer.from_pretrained(target_path, dtype=dtype)
     head = load_drafter(eagle_path, target, method="eagle", dtype=dtype)

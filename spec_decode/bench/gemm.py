@@ -1,4 +1,4 @@
-"""``spec-bench gemm``: the panel kernel (``spec_decode.cpu_gemm``) against torch's kernels, side by side.
+"""``spec-bench gemm``: the panel kernel (``spec_decode.cpu.cpu_gemm``) against torch's kernels, side by side.
 
 Two parts, one thread (the kernel's arithmetic is float32; bf16 layers run through it in float32):
 
@@ -28,7 +28,7 @@ from spec_decode.dtypes import DTYPE_NAMES
 
 def projection_shapes(*modules) -> list[tuple[int, int]]:
     """The distinct (in_features, out_features) of every ``Linear`` in ``modules``, in first-seen order."""
-    from spec_decode.model import Linear
+    from spec_decode.cpu import Linear
 
     seen: dict[tuple[int, int], None] = {}
     for module in modules:
@@ -51,7 +51,7 @@ def median_us(fn, repeats: int) -> float:
 
 def time_projections(shapes, rows, repeats: int) -> list[dict]:
     """One dict per (shape, rows): ``f_linear_us``, ``panel_us`` and the largest relative difference."""
-    from spec_decode.cpu_gemm import PanelWeight
+    from spec_decode.cpu.cpu_gemm import PanelWeight
 
     out = []
     gen = torch.Generator().manual_seed(0)
@@ -78,7 +78,7 @@ def kernel_variants(dtype) -> dict:
 def decoders(target_path, eagle_path, dtype) -> dict:
     """``ar`` and ``eagle_chain`` for each of ``kernel_variants`` (a copy of the models each)."""
     from spec_decode.bench.compile_ab import ar_and_chain
-    from spec_decode.model import set_panel_linears
+    from spec_decode.cpu import set_panel_linears
 
     decs = {}
     for tag, (on, panel_dtype) in kernel_variants(dtype).items():
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spec_decode import cpu_gemm
+    from spec_decode.cpu import cpu_gemm
     from spec_decode.bench.compile_ab import checked_prompts, measure
     from spec_decode.dtypes import torch_dtype
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchInputError as e:
         p.error(str(e))
     if not cpu_gemm.available():
-        print("the panel kernel is not available on this machine (see spec_decode.cpu_gemm)")
+        print("the panel kernel is not available on this machine (see spec_decode.cpu.cpu_gemm)")
         return 1
     decs = decoders(args.target, args.eagle, dtype)   # outside inference_mode: its weights are never packed
     shapes = projection_shapes(decs["eagle_chain on"].target, decs["eagle_chain on"].drafter)

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("TRITON_INTERPRET=1 is set: unset it so that the Triton kernel is compiled for real")
     device = torch.device("cuda")
-    from spec_decode.bench.cli import main as bench_main
+    from spec_decode.bench.side_by_side import main as bench_main
     from spec_decode.bench.numerics_bench import main as numerics_main
 
     ok = [

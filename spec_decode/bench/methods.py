@@ -122,8 +122,8 @@ class ModelCache:
 
     def _load(self, name: str):
         """Load checkpoint ``name``; a bad checkpoint raises BenchInputError naming its option."""
-        from spec_decode.eagle import load_drafter
-        from spec_decode.model import Transformer
+        from spec_decode.models.eagle import load_drafter
+        from spec_decode.models import Transformer
 
         cfg, dtype, device = self.cfg, self.dtype, self.device
         if name == "target":

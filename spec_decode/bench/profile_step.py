@@ -84,7 +84,7 @@ class PhaseClock:
 
 class CallClock:
     """Counts and times the calls of one ``drafting.Drafter`` protocol method of a drafter: ``draft_forward``
-    (its forward, the default), ``compute_logits`` (its logits) or the optional ``prepare_chain``.
+    (its forward, the default) or ``compute_logits`` (its logits).
 
     ``attach(drafter)`` shadows the method with a timed wrapper (an instance attribute); ``detach()``
     removes it. Timing from outside the call keeps a compiled forward (``SpecDecoder(compile=True)``)
@@ -178,8 +178,8 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
     and so are ``trim_last_steps`` and ``lookup_ngram``, off while it runs (every step then drafts the
     configured depth with the drafter).
-    ``drafter``: the decoder's drafter, whose ``draft_forward``, ``compute_logits`` and (where it has it)
-    ``prepare_chain`` calls are counted and timed (None: none).
+    ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted
+    and timed (None: none).
     Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
     Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
@@ -189,8 +189,7 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     into each request's first, over its prompt, ``prompt_catch_up_call_*``, and the rest, after a verify
     step, ``step_catch_up_call_*``), and
     the drafting calls after it (``draft_call_ms``, ``draft_call_ar_steps``); the drafter's logits
-    (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), its
-    ``prepare_chain`` per step (``drafter_prepare_ms``, counted in the later calls' figures), and
+    (``drafter_logits_calls_per_step``, ``drafter_logits_ms`` and ``drafter_logits_ar_steps`` per call), and
     the rest of the drafting phase per step, outside both (``drafting_rest_ms``, ``drafting_rest_ar_steps``:
     sampling or top-k, tree bookkeeping, the draft NaN pass); None without a drafter (or, for the split,
     without such calls).
@@ -205,7 +204,6 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
-    prepare_clock = CallClock(device, clock, method="prepare_chain")
     previous = decoder.phase_timer
     ar_steps, steps, accepted = [], [], []
     saved = _switch_off(decoder)
@@ -217,8 +215,6 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
             call_clock.attach(drafter)
             if hasattr(drafter, "compute_logits"):
                 logits_clock.attach(drafter)
-            if hasattr(drafter, "prepare_chain"):
-                prepare_clock.attach(drafter)
         for p in prompts:
             ar_decoder.generate([p], **sampling)
             ar_steps += ar_decoder.last_stats.step_s
@@ -232,17 +228,14 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
             setattr(decoder, name, value)
         call_clock.detach()
         logits_clock.detach()
-        prepare_clock.detach()
     if drafter is not None and steps and not call_clock.calls:
         raise RuntimeError("the decoder never called drafter.draft_forward: pass the drafter the decoder runs")
     return _split(phases, phase_clock.seconds, call_clock, logits_clock, ar_steps, steps, accepted,
-                  drafter is not None, prepare_clock)
+                  drafter is not None)
 
 
 def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_steps: list, steps: list,
-           accepted: list, has_drafter: bool, prepare: CallClock | None = None) -> dict:
-    # a chain's inputs built at once (``prepare_chain``) are the later calls' work: counted in them
-    prep = 0.0 if prepare is None else prepare.seconds
+           accepted: list, has_drafter: bool) -> dict:
     n = max(1, len(steps))
     ar = sum(ar_steps) / max(1, len(ar_steps))
     step = sum(steps) / n
@@ -260,17 +253,16 @@ def _split(phases, phase_seconds: dict, calls: CallClock, logits: CallClock, ar_
         "step_ar_steps": step / ar if ar > 0 else None,
         "step_without_drafting_ar_steps": (step * 1e3 - phase_ms.get("drafting", 0.0)) / (ar * 1e3) if ar > 0 else None,
         "drafter_calls_per_step": calls.calls / n if has_drafter else None,
-        **_per_call("drafter_call", calls.seconds + prep, calls.calls, ar),
+        **_per_call("drafter_call", calls.seconds, calls.calls, ar),
         **_per_call("catch_up_call", calls.catch_up_seconds, calls.catch_up_calls, ar),
         **_per_call("prompt_catch_up_call", calls.prompt_catch_up_seconds, calls.prompt_catch_up_calls, ar),
         **_per_call("step_catch_up_call", calls.catch_up_seconds - calls.prompt_catch_up_seconds,
                     calls.catch_up_calls - calls.prompt_catch_up_calls, ar),
-        **_per_call("draft_call", calls.seconds - calls.catch_up_seconds + prep, calls.calls - calls.catch_up_calls,
+        **_per_call("draft_call", calls.seconds - calls.catch_up_seconds, calls.calls - calls.catch_up_calls,
                     ar),
-        "drafter_prepare_ms": prep / n * 1e3 if has_drafter else None,
         "drafter_logits_calls_per_step": logits.calls / n if has_drafter else None,
         **_per_call("drafter_logits", logits.seconds, logits.calls, ar),
-        **_drafting_rest(phase_ms.get("drafting", 0.0) - (calls.seconds + logits.seconds + prep) / n * 1e3, ar,
+        **_drafting_rest(phase_ms.get("drafting", 0.0) - (calls.seconds + logits.seconds) / n * 1e3, ar,
                          has_drafter),
     }
 
@@ -316,9 +308,6 @@ def format_split(title: str, split: dict) -> str:
                      f"{num(split['prompt_catch_up_call_ms'])} ms = "
                      f"{num(split['prompt_catch_up_call_ar_steps'])} ar steps; after a verify step: "
                      f"{num(split['step_catch_up_call_ms'])} ms = {num(split['step_catch_up_call_ar_steps'])} ar steps")
-    if split.get("drafter_prepare_ms"):
-        lines.append(f"    the later calls include their inputs built at once per step (prepare_chain): "
-                     f"{num(split['drafter_prepare_ms'])} ms per step")
     if split.get("drafter_logits_ms") is not None:
         lines.append(f"  its logits (compute_logits): {num(split['drafter_logits_ms'])} ms = "
                      f"{num(split['drafter_logits_ar_steps'])} ar steps ({split['drafter_logits_calls_per_step']:.2f} "

@@ -117,9 +117,9 @@ def check_models(target, drafters: dict):
     A truncated safetensors file fails at its header (``read_key_names``); each drafter's layout must
     match its option (``drafter_layout``). Raises BenchInputError naming the option at fault.
     """
-    from spec_decode.checkpoint import read_key_names
-    from spec_decode.eagle import drafter_layout
-    from spec_decode.model import ModelConfig
+    from spec_decode.models.checkpoint import read_key_names
+    from spec_decode.models.eagle import drafter_layout
+    from spec_decode.models import ModelConfig
 
     def check(option: str, path, read_keys=read_key_names):
         config = checked_load(option, path, lambda: ModelConfig.from_pretrained(path))

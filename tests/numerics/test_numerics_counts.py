@@ -356,3 +356,11 @@ def test_expanded_view_counts_and_sanitize(backend):
     counts = nonfinite_counts_per_request(x, torch.tensor([0, 2, 5], device=DEVICE), sanitize=True, backend=backend)
     assert [c.tolist() for c in counts] == [[2, 3], [4, 6], [0, 0]]
     assert torch.isfinite(base).all() and base[2].item() == 1.0
+
+
+def test_rows_with_nonfinite_sum_flags_every_row_that_can_hold_nan_or_inf():
+    """The CPU pass's row filter: a row with NaN or +-Inf, or whose finite sum overflows, is flagged; a
+    clean row is not, even when huge values cancel. (A filter on NaN sums only would miss rows 2 and 3.)"""
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[1.0, 2.0, 3.0], [NAN, 0.0, 0.0], [INF, 1.0, 1.0], [big, big, 0.0], [big, -big, 1.0]])
+    assert counts_module._rows_with_nonfinite_sum(x).tolist() == [1, 2, 3]

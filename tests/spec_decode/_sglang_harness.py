@@ -122,7 +122,7 @@ def restoring_hook_targets():
     from sglang.srt.plugins import hook_registry
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
     saved = []
     for target in sglang_plugin.HOOK_TARGETS:
@@ -148,7 +148,7 @@ def applied_plugin(nan_policy):
     """Register the plugin and apply it with SGLang's HookRegistry; undo every patch on exit."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
     with restoring_hook_targets():
         state = sglang_plugin.register(nan_policy)
@@ -239,7 +239,7 @@ def decode_step(sampler, logits, reqs, *, greedy=True):
     from sglang.srt.managers.utils import GenerationBatchResult
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
     runner = make_model_runner(sampler)
     rids = [req.rid for req in reqs]
@@ -351,7 +351,7 @@ def agree_cost_rank(rank: int, calls: int, batch: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
     counts = torch.zeros(2, batch, dtype=torch.int32)  # [2, num_reqs], as the hooks reduce it
     for _ in range(10):  # warm-up

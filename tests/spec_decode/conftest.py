@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target, tiny_config
 
 

@@ -15,10 +15,10 @@ import torch
 
 from samplers import logits_to_probs, sample
 from spec_decode import NanFault
-from spec_decode.checkpoint import read_eos_token_ids
+from spec_decode.models.checkpoint import read_eos_token_ids
 from spec_decode.dtypes import resolve_device, resolve_dtype
-from spec_decode.eagle import Eagle3Head, load_drafter
-from spec_decode.model import Transformer
+from spec_decode.models.eagle import Eagle3Head, load_drafter
+from spec_decode.models import Transformer
 from spec_decode.pipeline import DEFAULT_TREE_SHAPES, DepthController, SpecDecoder, default_tree_shape
 
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
@@ -154,7 +154,7 @@ def test_missing_safetensors_names_the_extra(tdir, monkeypatch):
 
 
 def test_missing_tokenizers_names_the_extra(monkeypatch, tmp_path):
-    from spec_decode.overflow import find_trigger_token_id
+    from spec_decode.testing.overflow import find_trigger_token_id
 
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ImportError, match=r'safespec\[hf\]'):

@@ -25,7 +25,7 @@ from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import markdown_table
 from spec_decode.bench.run import CONTRACT_KEYS, percentile
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -396,7 +396,6 @@ class _FakeDecoder:
     COSTS = {"drafting": 1.0, "verify_forward": 3.0, "verify_walk": 0.5, "bookkeeping": 0.25}
     OUTSIDE = 0.25   # per step, in no phase
     TAKES_LOGITS = False   # drafting also calls drafter.compute_logits after each drafter call
-    PREPARES = False       # drafting calls drafter.prepare_chain once between its two calls
 
     def __init__(self, clock: _FakeClock, drafter=None, step_cost: float | None = None):
         from contextlib import nullcontext
@@ -417,8 +416,6 @@ class _FakeDecoder:
                         self.clock.t += cost
                         if name == "drafting":
                             for i in range(2):
-                                if self.PREPARES and i == 1:
-                                    self.drafter.prepare_chain(None, 1, None)
                                 h, _ = self.drafter.draft_forward(torch.zeros(1))
                                 if self.TAKES_LOGITS:
                                     self.drafter.compute_logits(h)
@@ -529,42 +526,6 @@ def test_profile_splits_the_drafters_logits_from_its_calls_and_the_rest(nested):
     assert split["drafting_rest_ar_steps"] == pytest.approx(0.5)
     assert split["phase_ms"]["drafting"] == pytest.approx(1000.0 + 2 * (call + 0.125) * 1e3)
     assert "compute_logits" not in vars(drafter) and "draft_forward" not in vars(drafter)
-
-
-class _FakeChainDrafter(_FakeDrafter):
-    """``_FakeDrafter`` with ``prepare_chain`` (costs ``prepare_cost``): the inputs of its later calls."""
-
-    def __init__(self, clock: _FakeClock, costs: tuple[float, ...], prepare_cost: float):
-        super().__init__(clock, 0.0, costs=costs)
-        self.prepare_cost = prepare_cost
-
-    def prepare_chain(self, cache, num_calls, kv_len):
-        self.clock.t += self.prepare_cost
-        return [None] * num_calls
-
-
-class _FakeChainDecoder(_FakeDecoder):
-    """``_FakeDecoder`` whose drafting prepares the chain once after the catch-up, as ``_draft_chain`` does."""
-
-    PREPARES = True
-
-
-def test_profile_counts_prepare_chain_in_the_later_drafter_calls():
-    """A chain's inputs built at once (``prepare_chain``) are its later calls' work: they count in the
-    drafter call, not in the rest of drafting, and are reported per step."""
-    from spec_decode.bench.profile_step import profile_split
-    from spec_decode.pipeline import PHASES
-
-    clock = _FakeClock()
-    drafter = _FakeChainDrafter(clock, costs=(0.5, 0.25), prepare_cost=0.125)
-    dec, ar = _FakeChainDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
-    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
-    assert split["drafter_prepare_ms"] == pytest.approx(125.0)
-    assert split["catch_up_call_ms"] == pytest.approx(500.0)
-    assert split["draft_call_ms"] == pytest.approx(375.0)      # 0.25 + the step's 0.125
-    assert split["drafter_call_ms"] == pytest.approx(437.5)    # (0.5 + 0.25 + 0.125) / 2
-    assert split["drafting_rest_ms"] == pytest.approx(1000.0)  # the phase's own cost only
-    assert "prepare_chain" not in vars(drafter)
 
 
 def test_phase_clock_counts_nested_phases_once():
@@ -688,7 +649,7 @@ def test_profile_of_eagle_lookup_says_its_lookup_steps_are_off(fake_fixtures, ca
 def _run_gemm(fake_fixtures, capsys, *args) -> str | None:
     """``spec-bench gemm`` on the fake fixtures (one prompt x 4 tokens); its output, or None where the
     kernel cannot run (after checking that it says so)."""
-    from spec_decode import cpu_gemm
+    from spec_decode.cpu import cpu_gemm
 
     rc = main(["gemm"] + _model_args(fake_fixtures) + ["--repeats", "3", "--num-prompts", "1",
                                                        "--max-new-tokens", "4", *args])
@@ -786,7 +747,7 @@ def test_tune_shapes_carry_a_tree_score_temperature(fake_fixtures, tmp_path):
 
 def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
     from spec_decode.bench.tune import DEFAULT_SHAPES, is_chain, score_temperature
-    from spec_decode.eagle import load_drafter
+    from spec_decode.models.eagle import load_drafter
     from spec_decode.pipeline import SpecDecoder
 
     assert 10 <= len(DEFAULT_SHAPES) <= 20 and len(set(DEFAULT_SHAPES)) == len(DEFAULT_SHAPES)

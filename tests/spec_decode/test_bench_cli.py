@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spec_decode.bench import main
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_target
 
 POSITIONS = 256   # the tiny target's max_position_embeddings
@@ -50,7 +50,7 @@ def no_work(monkeypatch):
     """Make loading a model, generating and timing raise WorkStarted."""
     import torch.utils.benchmark
 
-    from spec_decode import eagle
+    from spec_decode.models import eagle
     from spec_decode.pipeline import SpecDecoder
 
     def refuse(*args, **kwargs):

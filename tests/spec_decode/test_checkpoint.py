@@ -1,4 +1,4 @@
-"""spec_decode.checkpoint under damaged input: every unreadable file is named, never a bare library error.
+"""spec_decode.models.checkpoint under damaged input: every unreadable file is named, never a bare library error.
 
 A parametrized probe suite: each case damages one file of a valid checkpoint directory and asserts
 the error type and that the message names that file. A garbage ``pytorch_model.bin`` must not come
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec_decode.checkpoint import (CONFIG_NAME, PT_INDEX_NAME, PT_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
+from spec_decode.models.checkpoint import (CONFIG_NAME, PT_INDEX_NAME, PT_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
                                     CheckpointError, load_state_dict, read_config, read_key_names, save_state_dict)
 
 STATE = {"a.weight": torch.arange(12.0).reshape(3, 4), "b.bias": torch.ones(5)}
@@ -130,7 +130,7 @@ def test_valid_checkpoints_still_load(ckpt, fmt):
 
 def test_model_loaders_pass_the_named_error_on(ckpt, tmp_path):
     """Transformer.from_pretrained on a truncated file: the message still names it."""
-    from spec_decode.model import Transformer
+    from spec_decode.models import Transformer
     from tiny_models import make_tiny_target
 
     path = make_tiny_target(tmp_path / "m", name="t")

@@ -1,4 +1,4 @@
-"""Tests for spec_decode.cpu_gemm: the AVX2 panel kernel against its pure-torch reference, bit for bit.
+"""Tests for spec_decode.cpu.cpu_gemm: the AVX2 panel kernel against its pure-torch reference, bit for bit.
 
 The reference (``reference_panel_linear``) emulates the kernel's k-ordered float32 FMAs exactly, so
 the two must agree on every bit over odd shapes, with and without a bias, and with NaN/Inf placed
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spec_decode import cpu_gemm
-from spec_decode.cpu_gemm import PanelWeight, reference_panel_linear
+from spec_decode.cpu import cpu_gemm
+from spec_decode.cpu.cpu_gemm import PanelWeight, reference_panel_linear
 
 X86_AVX2 = (platform.machine().lower() in ("x86_64", "amd64")
             and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")))
@@ -162,7 +162,7 @@ def test_the_packed_copy_does_not_follow_the_weight():
 @pytest.fixture
 def fresh_kernel():
     """Forget the loaded kernel (and ``Linear``'s CPU rule) before and after the test."""
-    from spec_decode import model
+    from spec_decode.cpu import capability as model
 
     def clear():
         cpu_gemm._kernel.cache_clear()
@@ -174,7 +174,7 @@ def fresh_kernel():
 
 
 def test_a_failed_build_warns_and_linear_falls_back(monkeypatch, tmp_path, fresh_kernel):
-    from spec_decode.model import Linear
+    from spec_decode.cpu import Linear
 
     monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))

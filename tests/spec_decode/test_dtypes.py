@@ -22,7 +22,7 @@ def test_unknown_name_is_a_value_error_listing_the_names(bad):
 
 def test_every_user_of_dtype_names_reads_this_map():
     """The bench, the numerics bench and the pytest plugin hold no table of their own."""
-    from spec_decode import pytest_plugin
+    from spec_decode.integrations import pytest_plugin
     from spec_decode.bench import methods, numerics_bench
 
     assert set(DTYPE_NAMES) == set(pytest_plugin.DTYPE_NAMES)
@@ -42,7 +42,7 @@ def test_find_fixtures_dir_walks_up_and_env_wins(tmp_path, monkeypatch):
 
 
 def test_bench_and_plugin_share_the_lookup(monkeypatch, tmp_path):
-    from spec_decode import pytest_plugin
+    from spec_decode.integrations import pytest_plugin
     from spec_decode.bench.config import default_fixtures_dir
 
     assert pytest_plugin.find_fixtures_dir is find_fixtures_dir

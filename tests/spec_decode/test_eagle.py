@@ -1,4 +1,4 @@
-"""Tests for spec_decode.eagle: both published head layouts, checkpoint round trips, layout detection, errors,
+"""Tests for spec_decode.models.eagle: both published head layouts, checkpoint round trips, layout detection, errors,
 and the forward math against a cache-free reference written with plain matmuls (float32, atol 1e-5)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spec_decode.eagle import DraftOutput, Eagle3Head, EagleHead, default_eagle3_aux_layers, load_drafter
-from spec_decode.model import Transformer, apply_rope, rope_cos_sin
+from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, default_eagle3_aux_layers, load_drafter
+from spec_decode.models import Transformer, apply_rope, rope_cos_sin
 
 from tiny_models import _head_config, _randomize_, make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
@@ -504,7 +504,7 @@ def test_eagle3_bias_flag_and_fc_bias_key_must_agree(target, tmp_path):
 # retrained with the v2d recipe (issue #14: unit-RMS aux channels folded into fc, lm_head and norm started
 # from the target's, a 1,536-wide MLP; re-recorded for its 4,800-step retrain), with the code of that
 # commit, on a 2-core AVX-512 EPYC with avx512_bf16. Bits depend on the CPU's kernels: there fp32
-# projections of 1,024+ outputs over 2+ rows run packed through oneDNN (spec_decode.model.Linear), which
+# projections of 1,024+ outputs over 2+ rows run packed through oneDNN (spec_decode.cpu.Linear), which
 # AVX2 CPUs do not use, and AVX2 emulates bf16 matmuls; this head's AVX2 bits are not recorded, so there
 # only the reference comparison is checked.
 SHIPPED_EAGLE3_CHECKSUMS = {

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from spec_decode.eagle import Eagle3Head, EagleHead, load_drafter
-from spec_decode.model import Transformer
+from spec_decode.models.eagle import Eagle3Head, EagleHead, load_drafter
+from spec_decode.models import Transformer
 
 MAX_FIXTURE_BYTES = 40_000_000
 FLOOR_MARGIN = 0.02  # agreement / accepted length may drop this much below the recorded value
@@ -316,7 +316,7 @@ def plugin_run(pytester, monkeypatch):
             monkeypatch.setenv(k, v)
         if fixtures_dir is not None:
             monkeypatch.setenv("SAFESPEC_FIXTURES_DIR", str(fixtures_dir))
-        plugin = [] if _plugin_registered(pytester) else ["-p", "spec_decode.pytest_plugin"]
+        plugin = [] if _plugin_registered(pytester) else ["-p", "spec_decode.integrations.pytest_plugin"]
         return pytester.runpytest_inprocess(*plugin, "-s", "-p", "no:cacheprovider", *args)
 
     return run
@@ -325,7 +325,7 @@ def plugin_run(pytester, monkeypatch):
 def _plugin_registered(pytester) -> bool:
     from importlib.metadata import entry_points
 
-    return any(ep.value == "spec_decode.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return any(ep.value == "spec_decode.integrations.pytest_plugin" for ep in entry_points(group="pytest11"))
 
 
 pytest_plugins = ["pytester"]

@@ -1,4 +1,4 @@
-"""Tests for spec_decode.model: HF parity, checkpoint IO, and KV-cache semantics (tree, commit, padding, reset).
+"""Tests for spec_decode.models: HF parity, checkpoint IO, and KV-cache semantics (tree, commit, padding, reset).
 
 HF parity tolerance: float32, atol = rtol = 1e-4 on logits of O(1) magnitude (observed differences ~1e-6;
 they come from a different attention kernel path and op order, not from semantics).
@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from spec_decode.checkpoint import SAFETENSORS_INDEX_NAME
-from spec_decode.model import KVCache, ModelConfig, Transformer, build_attention_mask, causal_block_mask
+from spec_decode.models.checkpoint import SAFETENSORS_INDEX_NAME
+from spec_decode.models import KVCache, ModelConfig, Transformer, build_attention_mask, causal_block_mask
 
 from tiny_models import _randomize_, make_tiny_target, tiny_config
 
@@ -466,7 +466,7 @@ def _tree_logits_with_poisoned_node(model, poison: int):
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain_sdpa_mutant"])
 def test_exact_nan_reaches_only_the_poisoned_branch(tiny_target_dir, exact):
-    from spec_decode.model import set_exact_nan
+    from spec_decode.models import set_exact_nan
 
     model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
     set_exact_nan(model, exact, torch.float32)
@@ -482,7 +482,7 @@ def test_exact_nan_reaches_only_the_poisoned_branch(tiny_target_dir, exact):
 
 
 def test_exact_nan_leaves_finite_results_bit_identical(tiny_target_dir):
-    from spec_decode.model import set_exact_nan
+    from spec_decode.models import set_exact_nan
 
     model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
     ids = torch.arange(3, 20)[None]
@@ -495,7 +495,7 @@ def test_exact_nan_leaves_finite_results_bit_identical(tiny_target_dir):
 
 
 def test_exact_nan_defaults_on_for_float16_only(tiny_target_dir):
-    from spec_decode.model import Attention
+    from spec_decode.models import Attention
 
     for dtype, want in [(torch.float16, True), (torch.bfloat16, False), (torch.float32, False)]:
         model = Transformer.from_pretrained(tiny_target_dir, dtype=dtype)
@@ -507,7 +507,7 @@ def _unfused_attention(attn, x, li, cache, layer):
     """The attention as it was before q/k/v were fused: three linears from the published weights, rope on
     [B, nh, T, D], and a bool SDPA mask (the same kernels otherwise). Returns [B, T, H]."""
     import torch.nn.functional as F
-    from spec_decode.model import apply_rope
+    from spec_decode.models import apply_rope
 
     sd = attn.state_dict()
     B, T, _ = x.shape
@@ -531,7 +531,7 @@ def _unfused_attention(attn, x, li, cache, layer):
 def test_fused_projections_equal_the_unfused_computation(tmp_path, dtype, bias):
     """Issue #13: one q/k/v linear and one gate/up linear compute what the separate ones did."""
     import torch.nn.functional as F
-    from spec_decode.model import LayerInputs, prepare_block
+    from spec_decode.models import LayerInputs, prepare_block
 
     model = Transformer.from_pretrained(make_tiny_target(tmp_path, attention_bias=bias, model_type="qwen2" if bias
                                                          else "llama"), dtype=dtype)
@@ -639,7 +639,7 @@ def test_causal_block_mask_is_the_general_mask_without_tree_or_padding(T, n_rep)
 
 
 def test_rope_table_holds_the_computed_cos_sin(model):
-    from spec_decode.model import rope_cos_sin
+    from spec_decode.models import rope_cos_sin
 
     table = model.rope_table(300, torch.float32)
     assert table.shape == (512, 2 * model.config.head_dim)   # grown to a power of two >= 256
@@ -663,7 +663,7 @@ def test_position_ids_outside_the_cache_are_named(model):
 
 # ------------------------------------------------------------------ packed linears (issue #13)
 def _packable_linear(out_f: int, in_f: int, bias: bool, seed: int = 0):
-    from spec_decode.model import Linear
+    from spec_decode.cpu import Linear
 
     torch.manual_seed(seed)
     lin = Linear(in_f, out_f, bias=bias).to(torch.bfloat16).requires_grad_(False)
@@ -678,7 +678,7 @@ def _assert_matches_bf16_f_linear(got, x, lin):
     one row without the panel kernel; elsewhere (a float32 copy of the weight, ``bf16_runs_as_fp32``) the
     same NaN/Inf places, at most one bf16 ulp apart, and equal on all but a few in 1,000 outputs."""
     import torch.nn.functional as F
-    from spec_decode.model import onednn_bf16_native, panel_gemm_pays
+    from spec_decode.cpu import onednn_bf16_native, panel_gemm_pays
 
     want = F.linear(x, lin.weight, lin.bias)
     assert torch.equal(got.isnan(), want.isnan())
@@ -697,8 +697,8 @@ def _assert_matches_bf16_f_linear(got, x, lin):
 def _bf16_paths(rows_seen) -> tuple[bool, bool]:
     """(float32 copy made, panels made) for a bf16 layer after calls over ``rows_seen`` rows, on this CPU:
     the panel kernel takes up to ``cpu_gemm.max_rows`` rows; without it one row keeps bf16 F.linear."""
-    from spec_decode import cpu_gemm
-    from spec_decode.model import bf16_runs_as_fp32, panel_gemm_pays
+    from spec_decode.cpu import cpu_gemm
+    from spec_decode.cpu import bf16_runs_as_fp32, panel_gemm_pays
 
     if not bf16_runs_as_fp32():
         return False, False
@@ -712,7 +712,7 @@ def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
     """Native oneDNN bf16: the packed path gives F.linear's bits at every row count. Elsewhere, two rows or
     more run from a float32 copy of the weight (through the panel kernel where it runs, else packed when
     wide) and agree to bf16 rounding; one row keeps F.linear, or takes the panel kernel where it runs."""
-    from spec_decode.model import onednn_bf16_native
+    from spec_decode.cpu import onednn_bf16_native
 
     lin = _packable_linear(out_f, in_f, bias)
     for rows in (1, 2, 5, 17):
@@ -737,7 +737,7 @@ def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
 
     Its tolerant branch (the float32-copy path's) is forced, so the detector runs on every CPU."""
     import torch.nn.functional as F
-    from spec_decode import model
+    from spec_decode.cpu import linear as model
 
     monkeypatch.setattr(model, "onednn_bf16_native", lambda: False)
     lin = _packable_linear(320, 192, True)
@@ -754,7 +754,7 @@ def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
 
 def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     import torch.nn.functional as F
-    from spec_decode.model import onednn_bf16_native, set_packed_linears
+    from spec_decode.cpu import onednn_bf16_native, set_packed_linears
 
     lin = _packable_linear(64, 48, True)
     x = torch.randn(1, 3, 48).to(torch.bfloat16)
@@ -791,7 +791,7 @@ def test_packed_linear_leaves_grad_mode_and_other_dtypes_to_f_linear(dtype):
     assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__
     with torch.inference_mode():
         lin(x)
-    from spec_decode.model import onednn_bf16_native
+    from spec_decode.cpu import onednn_bf16_native
     assert ("_packed" in lin.__dict__) == (dtype == torch.bfloat16 and onednn_bf16_native())
     if dtype == torch.bfloat16:
         assert ("_fp32" in lin.__dict__) == _bf16_paths([2])[0]
@@ -812,7 +812,7 @@ def test_linear_leaves_autocast_to_f_linear():
 
 def test_packed_linears_leave_a_bf16_forward_as_f_linear_computes_it(tmp_path):
     """Bit-identical where oneDNN runs bf16; elsewhere (float32 copies) equal to bf16 rounding."""
-    from spec_decode.model import Linear, onednn_bf16_native, set_packed_linears
+    from spec_decode.cpu import Linear, onednn_bf16_native, set_packed_linears
 
     model = Transformer.from_pretrained(make_tiny_target(tmp_path), dtype=torch.bfloat16)
     outs = []
@@ -849,7 +849,7 @@ def test_wide_fp32_linears_are_packed_per_cpu_class_and_agree_with_f_linear(avx5
     with F.linear to fp32 rounding, and NaN/Inf land in the same places. The layer itself runs here for
     this CPU's class."""
     import torch.nn.functional as F
-    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays
+    from spec_decode.cpu import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays
 
     assert fp32_packs(out_f, rows, avx512=avx512) is packs
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512") != avx512:
@@ -893,7 +893,7 @@ def test_packed_fp32_linear_follows_in_place_weight_changes():
 def test_the_panel_switch_restores_the_other_rules():
     """``set_panel_linears(m, False)`` drops the kernel's copy and takes the rules it overrides again."""
     import torch.nn.functional as F
-    from spec_decode.model import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays, set_panel_linears
+    from spec_decode.cpu import fp32_packs, onednn_fp32_packing_pays, panel_gemm_pays, set_panel_linears
 
     lin = _packable_linear(4096, 64, True).float()
     x = torch.randn(1, 5, 64)
@@ -915,7 +915,7 @@ def test_the_panel_switch_restores_the_other_rules():
 def test_bf16_layers_keep_bf16_panels_with_the_bits_of_float32_ones():
     """A bf16 layer's panels stay bf16 (half the bytes); ``panel_dtype=torch.float32`` packs them in float32,
     with the same outputs bit for bit (bf16 -> float32 is exact)."""
-    from spec_decode.model import panel_gemm_pays, set_panel_linears
+    from spec_decode.cpu import panel_gemm_pays, set_panel_linears
 
     if not panel_gemm_pays():
         pytest.skip("the panel kernel does not run on this CPU")
@@ -937,7 +937,7 @@ def test_bf16_layers_keep_bf16_panels_with_the_bits_of_float32_ones():
 def test_the_panel_kernel_takes_few_rows_and_more_on_one_thread(threads, rows, panel):
     """It runs on one thread: MKL on two threads ties at 16 rows and wins from 32 (``cpu_gemm.max_rows``)."""
     import torch.nn.functional as F
-    from spec_decode.model import panel_gemm_pays
+    from spec_decode.cpu import panel_gemm_pays
 
     lin = _packable_linear(64, 32, True).float()
     x = torch.randn(rows, 32)

@@ -1,4 +1,4 @@
-"""The real fp16 overflow (``spec_decode.overflow``) on the trained tiny target, no injected fault.
+"""The real fp16 overflow (``spec_decode.testing.overflow``) on the trained tiny target, no injected fault.
 
 fp16: NaN logits in the request that holds the trigger token, none in the others; bf16/fp32: finite;
 sequences without the trigger: bit-identical to the unmodified model. Exactly-per-row/per-branch NaN
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from spec_decode.dtypes import DTYPES
-from spec_decode.model import Transformer
-from spec_decode.overflow import (
+from spec_decode.models import Transformer
+from spec_decode.testing.overflow import (
     DEFAULT_MAGNITUDE,
     FP16_MAX,
     find_trigger_token_id,

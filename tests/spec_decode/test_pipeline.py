@@ -13,7 +13,7 @@ import torch
 
 from numerics import NanLogitsError
 from spec_decode import NanFault, SpecDecoder
-from spec_decode.model import KVCache, Transformer
+from spec_decode.models import KVCache, Transformer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
@@ -80,7 +80,7 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_gree
 def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkeypatch):
     """All-greedy tree steps go through ``greedy_tree_verify`` with the drafter's mask (lossless, and no
     ``tree_verify`` call); a batch with a sampled request still walks with ``tree_verify``."""
-    import spec_decode.pipeline as pipeline
+    import spec_decode.step as pipeline   # verify_tree looks the verifiers up in spec_decode.step
 
     seen = []
     for name in ("greedy_tree_verify", "tree_verify"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from spec_decode.pipeline import DepthController
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
@@ -24,7 +24,7 @@ def compiled(tmp_path_factory):
     eager_target = Transformer.from_pretrained(tdir, dtype=torch.float32)
     make_tiny_eagle(eager_target, root / "eagle")
     target = Transformer.from_pretrained(tdir, dtype=torch.float32)
-    from spec_decode.eagle import load_drafter
+    from spec_decode.models.eagle import load_drafter
 
     head = load_drafter(root / "eagle", target, method="eagle", dtype=torch.float32)
     eager_head = load_drafter(root / "eagle", eager_target, method="eagle", dtype=torch.float32)
@@ -86,7 +86,7 @@ def test_compile_must_be_a_bool(compiled):
 def test_compiled_forward_is_one_graph(compiled, dtype):
     """No graph break anywhere in a target or head forward: a break at every ``Linear`` (its CPU
     packing rules ran under the compiler) once made compiled decoding 2x slower than eager."""
-    from spec_decode.eagle import load_drafter
+    from spec_decode.models.eagle import load_drafter
 
     target = Transformer.from_pretrained(compiled["target_dir"], dtype=dtype)
     head = load_drafter(compiled["head_dir"], target, method="eagle", dtype=dtype)

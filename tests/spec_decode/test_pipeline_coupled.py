@@ -17,7 +17,7 @@ import torch
 
 import samplers.coupled as coupled_mod
 from spec_decode import SpecDecoder
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 from spec_decode.pipeline import DepthController
 from test_pipeline_distribution import CHAIN, PROMPT, TREE, chi_square_rejects, exact_joint, rejects, sample_counts
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target

@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chi2
 
 from spec_decode import SpecDecoder
-from spec_decode.model import KVCache, Transformer
+from spec_decode.models import KVCache, Transformer
 from tiny_models import make_tiny_eagle, make_tiny_target
 
 ALPHA = 1e-6

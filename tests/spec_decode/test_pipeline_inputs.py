@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)

@@ -6,7 +6,7 @@ import torch
 
 from spec_decode import NanFault, SpecDecoder
 from spec_decode.lookup import ContextLookup
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 
 # Each prompt holds every token of the tiny vocabulary (97), so with lookup_ngram=1 every context has
 # lookup drafts at every step (random models rarely accept them: the shipped target's test below does).

@@ -11,7 +11,7 @@ import torch
 
 from numerics import NanPolicy
 from spec_decode import NanFault, SpecDecoder
-from spec_decode.model import Transformer
+from spec_decode.models import Transformer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)

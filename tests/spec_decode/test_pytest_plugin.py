@@ -53,8 +53,8 @@ def test_users_marker_is_not_ours(safespec_nan_policy):
 
 
 def _plugin_args() -> list[str]:
-    registered = any(ep.value == "spec_decode.pytest_plugin" for ep in entry_points(group="pytest11"))
-    return [] if registered else ["-p", "spec_decode.pytest_plugin"]
+    registered = any(ep.value == "spec_decode.integrations.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return [] if registered else ["-p", "spec_decode.integrations.pytest_plugin"]
 
 
 def test_users_own_fixtures_win_without_collision(pytester, monkeypatch):
@@ -71,7 +71,7 @@ def test_every_plugin_fixture_is_prefixed(pytester):
     pytester.makepyfile("def test_nothing():\n    pass\n")
     result = pytester.runpytest_inprocess(*_plugin_args(), "-p", "no:cacheprovider", "--fixtures", "-v")
     text = result.stdout.str()
-    section = re.search(r"-+ fixtures defined from spec_decode\.pytest_plugin -+\n(.*?)(?:\n-{5,}|\Z)", text, re.S)
+    section = re.search(r"-+ fixtures defined from spec_decode\.integrations\.pytest_plugin -+\n(.*?)(?:\n-{5,}|\Z)", text, re.S)
     assert section, text
     names = re.findall(r"^(\w+)(?: \[\w+ scope\])? -- ", section.group(1), re.M)
     assert "safespec_nan_policy" in names and "safespec_spec_dtype" in names, names

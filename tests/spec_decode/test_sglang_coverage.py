@@ -190,7 +190,7 @@ def test_every_speculative_algorithm_has_a_row():
 
 
 def test_startup_warning_names_exactly_the_uncovered_algorithms():
-    from spec_decode.sglang_plugin import UNCOVERED_ALGORITHMS
+    from spec_decode.integrations.sglang_plugin import UNCOVERED_ALGORITHMS
 
     uncovered = {_code(row[0]) for row in ALGORITHMS if row[3] == "not covered"}
     assert set(UNCOVERED_ALGORITHMS) == uncovered

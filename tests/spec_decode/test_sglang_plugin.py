@@ -49,7 +49,7 @@ if _SKIP_REASON is None:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from numerics import NanLogitsError, NanPolicy
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
 VOCAB = 11
 NAN_COL = 4
@@ -456,7 +456,7 @@ def test_load_plugins_honours_sglang_plugins_allow_list(monkeypatch, allow_list,
     import sglang.srt.plugins as plugins
 
     entry = importlib.metadata.EntryPoint(
-        name="safespec", value="spec_decode.sglang_plugin:register", group=plugins.GENERAL_PLUGINS_GROUP
+        name="safespec", value="spec_decode.integrations.sglang_plugin:register", group=plugins.GENERAL_PLUGINS_GROUP
     )
     monkeypatch.setattr(plugins, "entry_points", lambda group: [entry] if group == entry.group else [])
     monkeypatch.setattr(plugins, "_plugins_loaded", False)
@@ -471,7 +471,7 @@ def test_pyproject_declares_entry_point_and_extra():
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python >= 3.11")
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     project = pyproject["project"]
-    assert project["entry-points"]["sglang.srt.plugins"]["safespec"] == "spec_decode.sglang_plugin:register"
+    assert project["entry-points"]["sglang.srt.plugins"]["safespec"] == "spec_decode.integrations.sglang_plugin:register"
     assert any(dep.startswith("sglang") for dep in project["optional-dependencies"]["sglang"])
 
 

@@ -53,7 +53,7 @@ if _SKIP_REASON is None:
     from sglang.srt.sampling.sampling_observer_pp import add_auxiliary_output_to_pp_tensors
 
     from numerics import NanPolicy
-    from spec_decode import sglang_plugin
+    from spec_decode.integrations import sglang_plugin
 
 VOCAB = 11
 RIDS = ("req-a", "req-b", "req-c")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.eagle import Eagle3Head, EagleHead
-from spec_decode.model import ModelConfig, Transformer
+from spec_decode.models.eagle import Eagle3Head, EagleHead
+from spec_decode.models import ModelConfig, Transformer
 
 TINY_DEFAULTS = dict(
     vocab_size=97,  # odd on purpose: no power-of-two luck

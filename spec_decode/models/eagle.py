@@ -76,25 +76,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from spec_decode.checkpoint import load_state_dict, read_key_names, save_state_dict
-from spec_decode.model import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    KVCache,
-    LayerInputs,
-    Linear,
-    ModelConfig,
-    ModelOutput,
-    RMSNorm,
-    RopeFrequencies,
-    Transformer,
-    assign_state,
-    block_inputs,
-    chain_block_inputs,
-    check_block_args,
-    set_exact_nan,
-)
+from spec_decode.cpu import Linear
+from spec_decode.models.checkpoint import load_state_dict, read_key_names, save_state_dict
+from spec_decode.models.config import ModelConfig, RopeFrequencies
+from spec_decode.models.kv_cache import KVCache
+from spec_decode.models.layers import MLP, Attention, DecoderLayer, RMSNorm, set_exact_nan
+from spec_decode.models.masks import LayerInputs, check_block_args, prepare_block
+from spec_decode.models.transformer import ModelOutput, Transformer, assign_state
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -171,14 +159,13 @@ class _DraftHead(RopeFrequencies, nn.Module):
             # shared with the target: bypass Module registration so it is neither saved nor moved with the head
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
 
-    # read past nn.Module's attribute lookup (~1 us a level): a one-token head call asks several times
     @property
     def device(self) -> torch.device:
-        return self._modules["fc"]._parameters["weight"].device
+        return self.fc.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._modules["fc"]._parameters["weight"].dtype
+        return self.fc.weight.dtype
 
     def num_cache_layers(self) -> int:
         return 1
@@ -191,23 +178,18 @@ class _DraftHead(RopeFrequencies, nn.Module):
 
     def draft_forward(self, tokens: Tensor, features: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                       tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                      kv_len: int | None = None, block: LayerInputs | None = None) -> tuple[Tensor, Tensor]:
+                      kv_len: int | None = None) -> tuple[Tensor, Tensor]:
         """One head forward without logits (``Drafter`` protocol); same cache semantics as ``forward``.
 
         Shape: tokens [B, T]; features [B, T, H] (``features()`` of the target output, or the feedback of the
         previous depth) -> (hidden [B, T, H] for ``compute_logits``, the same tensor as the next depth's features).
-        ``block``: one entry of ``prepare_chain`` (``model.block_inputs``).
         """
         out = self(tokens, features, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
-                   kv_len=kv_len, return_logits=False, block=block)
+                   kv_len=kv_len, return_logits=False)
         return out.hidden, out.hidden
 
-    def prepare_chain(self, cache: KVCache, num_calls: int, kv_len: int | None) -> list[LayerInputs]:
-        """``model.chain_block_inputs`` for this head: the ``block`` of each of a chain's one-token calls."""
-        return chain_block_inputs(self, cache, num_calls, self.dtype, kv_len)
-
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
-                         input_lens, kv_len, feature_dims: tuple[int, ...], block: LayerInputs | None = None):
+                         input_lens, kv_len, feature_dims: tuple[int, ...]):
         device, dtype = self.device, self.dtype   # once per forward
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, device)
         B, T = input_ids.shape
@@ -221,8 +203,7 @@ class _DraftHead(RopeFrequencies, nn.Module):
         if cache.num_layers != self.num_cache_layers():
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
         emb = self.embed_tokens(input_ids)  # (B, T, H)
-        li = block_inputs(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len, block)
-        # the casts are skipped, not made no-ops: an op call costs ~1 us
+        li = prepare_block(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len)
         return (emb if emb.dtype == dtype else emb.to(dtype)), (hidden if hidden.dtype == dtype else hidden.to(dtype)), li
 
     def to_hf_config(self) -> dict:
@@ -308,8 +289,7 @@ class EagleHead(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None, return_logits: bool = True,
-                block: LayerInputs | None = None) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -318,7 +298,7 @@ class EagleHead(_DraftHead):
         NaN in ``hidden`` propagates to the outputs of the rows that attend to it.
         """
         emb, hidden, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                 kv_len, (self.config.hidden_size,), block)
+                                                 kv_len, (self.config.hidden_size,))
         x = self.fc(torch.cat((emb, hidden), dim=-1))  # (B, T, H)
         for i, layer in enumerate(self.layers):
             x = layer(x, blk, cache, i)
@@ -464,8 +444,7 @@ class Eagle3Head(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None, return_logits: bool = True,
-                block: LayerInputs | None = None) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -475,7 +454,7 @@ class Eagle3Head(_DraftHead):
         """
         H, Ht = self.config.hidden_size, self.target_hidden_size
         emb, feature, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                  kv_len, (H, 3 * Ht), block)
+                                                  kv_len, (H, 3 * Ht))
         if feature.shape[-1] != H:
             feature = self.fc(feature)
         x = self.midlayer(emb, feature, blk, cache)

@@ -78,7 +78,7 @@ def plant_massive_activation(model: nn.Module, token_id: int, *, channel: int = 
                              magnitude: float = DEFAULT_MAGNITUDE) -> PlantedActivation:
     """Set ``embed_tokens.weight[token_id, channel] = magnitude`` in place (a load-time transform).
 
-    Works on ``spec_decode.model.Transformer`` and on ``transformers`` causal LMs. Apply it after
+    Works on ``spec_decode.Transformer`` and on ``transformers`` causal LMs. Apply it after
     the model is cast to its run dtype or before, the effect is the same: in float16 the entry is
     Inf (``magnitude`` > 65504), in bfloat16/float32 it is finite.
 

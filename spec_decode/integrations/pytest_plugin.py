@@ -1,7 +1,7 @@
 """pytest plugin ``safespec``: the verification dtype switch and the trained tiny fixtures.
 
-Registered through the ``pytest11`` entry point ``safespec = "spec_decode.pytest_plugin"``, so every
-pytest run in an environment with safespec installed loads it (or use ``-p spec_decode.pytest_plugin``).
+Registered through the ``pytest11`` entry point ``safespec = "spec_decode.integrations.pytest_plugin"``, so every
+pytest run in an environment with safespec installed loads it (or use ``-p spec_decode.integrations.pytest_plugin``).
 It imports nothing heavy at import time: torch and the pipeline load inside the fixtures that need them.
 
 Options

@@ -1,11 +1,10 @@
 """Small-batch float32 projections for AVX2 CPUs: a panel-packed FMA kernel, built on first use.
 
-Why: on an AVX2 EPYC (Zen 2, one thread) MKL's sgemm runs the shipped models' projections over a
-few rows at a third of what the core can do: a 5-row 192 x 1024 projection takes 64 us against
-23 us for one row, and every verify forward is made of such. ``PanelWeight`` streams the weight
-once per block of up to six rows and runs the same 5-row projection in 24 us (one row in 15 us;
-``docs/bench.md`` has the table). ``Linear`` (``spec_decode.model``) uses it for float32 math on
-AVX2 CPUs, up to ``max_rows(torch.get_num_threads())`` rows, through ``PanelWeight``.
+Why: on AVX2 CPUs MKL's sgemm runs the shipped models' projections over a few rows far below what
+the core can do, and every verify forward is made of such. ``PanelWeight`` streams the weight once
+per block of up to six rows (``docs/performance.md`` has the figures; ``spec-bench gemm`` measures
+them). ``Linear`` (``spec_decode.cpu``) uses it for float32 math on AVX2 CPUs, up to
+``max_rows(torch.get_num_threads())`` rows, through ``PanelWeight``.
 
 The weight is packed once into panels of ``PANEL`` output columns, ``[ceil(N / 16), K, 16]``, zero
 padded, in its own dtype: a bf16 weight stays bf16 in the panels (half the bytes to stream; a layer
@@ -92,7 +91,7 @@ class PanelWeight:
                              f"{tuple(bias.shape)} on {bias.device}")
         self._kernels = _kernel()
         if self._kernels is None:
-            raise RuntimeError("the panel kernel is not available here (see spec_decode.cpu_gemm.available)")
+            raise RuntimeError("the panel kernel is not available here (see spec_decode.cpu.cpu_gemm.available)")
         num_panels = -(-N // PANEL)
         padded = weight.new_zeros(num_panels * PANEL, K)
         padded[:N] = weight.detach()

@@ -1,0 +1,61 @@
+"""What this CPU runs well: the checks that pick ``Linear``'s CPU routes (each cached for the process)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from spec_decode.cpu import cpu_gemm
+
+FP32_PACK_MIN_OUT = 1024            # AVX-512 fp32: outputs from which oneDNN beats F.linear on two rows or more
+FP32_PACK_ONE_ROW_MIN_OUT = 3072    # ... and on one row
+FP32_PACK_MIN_OUT_AVX2 = 2048       # AVX2 fp32: from two rows on (on one row F.linear is never slower)
+
+
+def fp32_packs(out_features: int, rows: int, avx512: bool | None = None) -> bool:
+    """Whether an fp32 projection to ``out_features`` over ``rows`` rows takes ``Linear``'s packed path.
+
+    ``avx512``: which CPU class's thresholds apply; None means this CPU's.
+    """
+    if avx512 if avx512 is not None else _cpu_is_avx512():
+        return out_features >= FP32_PACK_ONE_ROW_MIN_OUT or (out_features >= FP32_PACK_MIN_OUT and rows >= 2)
+    return out_features >= FP32_PACK_MIN_OUT_AVX2 and rows >= 2
+
+
+@functools.cache
+def _cpu_is_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _onednn_packed_op_and(cpu_check) -> bool:
+    """oneDNN is available, torch has the packed linear op, and ``cpu_check()`` holds (False on any error)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                    and cpu_check())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def panel_gemm_pays() -> bool:
+    """True on an AVX2 CPU (not AVX-512, where it was not measured) where ``cpu_gemm``'s kernel runs."""
+    return not _cpu_is_avx512() and cpu_gemm.available()
+
+
+@functools.cache
+def onednn_bf16_native() -> bool:
+    """True when this CPU runs oneDNN's bf16 kernels (AVX-512 BW and up) and torch has the packed op."""
+    return _onednn_packed_op_and(lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@functools.cache
+def onednn_fp32_packing_pays() -> bool:
+    """True on an AVX-512 or AVX2 CPU with oneDNN and the packed op: where ``fp32_packs`` was measured."""
+    return _onednn_packed_op_and(lambda: torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AVX2")))
+
+
+@functools.cache
+def bf16_runs_as_fp32() -> bool:
+    """True on a CPU without native bf16 matmuls, where ``Linear`` computes bf16 from float32 weights."""
+    return not onednn_bf16_native() and torch.backends.cpu.get_cpu_capability() != "DEFAULT"

@@ -1,0 +1,158 @@
+"""The decoder layers: RMSNorm, grouped-query attention over the KV cache, the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spec_decode.cpu import Linear
+from spec_decode.models.config import ModelConfig, apply_rope
+from spec_decode.models.kv_cache import KVCache
+from spec_decode.models.masks import LayerInputs
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        # the casts are skipped, not made no-ops, in float32: a no-op cast is still an op call
+        xf = x if dtype == torch.float32 else x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * (xf if dtype == torch.float32 else xf.to(dtype))
+
+
+def _zero_nonfinite_rows(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero every K/V row holding NaN/Inf; return the rows' finiteness. Shape: (B, nkv, S, D) -> ..., (B, nkv, S).
+
+    float32 row sums are finite exactly when the row is (K/V magnitudes are far below 1e36).
+    """
+    finite = torch.isfinite(keys.sum(-1, dtype=torch.float32) + values.sum(-1, dtype=torch.float32))
+    bad = ~finite[..., None]
+    return keys.masked_fill(bad, 0), values.masked_fill(bad, 0), finite
+
+
+def _keep_published_keys(module: nn.Module, fused: str, parts: tuple[tuple[str, int], ...]) -> None:
+    """Checkpoints keep ``parts`` (published names and row counts) that ``module.<fused>`` holds concatenated.
+
+    ``state_dict()`` splits ``<fused>.weight``/``.bias`` into ``<part>.weight``/``.bias`` (copies, so that
+    safetensors can save them; views of the parameter with ``keep_vars=True``), and ``load_state_dict``
+    concatenates the parts back: one matmul at run time, the published layout on disk.
+    """
+    def split(mod, state, prefix, local_metadata) -> None:
+        for suffix in ("weight", "bias"):
+            t = state.pop(f"{prefix}{fused}.{suffix}", None)
+            if t is None:
+                continue
+            for name, rows in zip((n for n, _ in parts), t.split([r for _, r in parts])):
+                state[f"{prefix}{name}.{suffix}"] = rows if isinstance(t, nn.Parameter) else rows.clone()
+
+    def join(mod, state, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys])
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the KV cache; ``in_dim`` differs from hidden_size only in EAGLE-3 (2H).
+
+    q/k/v are one linear, ``qkv_proj`` (fused at load time; checkpoints keep ``q_proj``/``k_proj``/``v_proj``),
+    and rope rotates q and k in one pass.
+
+    ``exact_nan``: NaN/Inf in a K/V row reaches exactly the queries that may attend to it, as in
+    exact arithmetic, instead of every query of the block (plain SDPA computes 0 * NaN = NaN for
+    masked rows). This keeps a NaN tree branch from poisoning its siblings and a poisoned position
+    from poisoning the tokens before it; finite results are unchanged. It costs about 10 small ops
+    per layer, so ``set_exact_nan`` turns it on by default only for float16, where overflow makes NaN
+    part of normal operation.
+    """
+
+    def __init__(self, config: ModelConfig, in_dim: int | None = None):
+        super().__init__()
+        self.exact_nan = False
+        in_dim = in_dim or config.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        q_rows, kv_rows = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = Linear(in_dim, q_rows + 2 * kv_rows, bias=config.attention_bias)
+        self.o_proj = Linear(q_rows, config.hidden_size, bias=config.o_proj_bias)
+        _keep_published_keys(self, "qkv_proj", (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)))
+
+    def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
+        """Attend the new block ``x`` [B, T, in_dim] over the cache; writes its K/V rows. Returns [B, T, H]."""
+        B, T, _ = x.shape
+        nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
+        n_rep = nh // nkv
+        qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
+        q, k = apply_rope(qk, li.cos, li.sin).split((nh, nkv), dim=2)  # rope on q and k in one pass
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, D)
+        cache.write_rows(layer, li.row_index, k, v)
+        mask = li.mask  # (B, 1, n_rep*T, S)
+        S = mask.shape[-1]
+        keys, values = cache.k[layer][:, :, :S], cache.v[layer][:, :, :S]  # (B, nkv, S, D)
+        # GQA without copying the cache: fold the n_rep query heads of each kv head into the query axis
+        q = q.reshape(B, nkv, n_rep * T, D)
+        if self.exact_nan:
+            keys, values, finite = _zero_nonfinite_rows(keys, values)
+        if keys.dtype != q.dtype:  # a cache in another dtype than the model
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=li.bias)
+        if self.exact_nan:
+            # A query that can see a non-finite key/value row is NaN in exact arithmetic; one that
+            # masks it is not (SDPA alone would leak it: masked weight 0 * NaN = NaN).
+            sees_bad = (mask & ~finite[:, :, None, :]).any(-1, keepdim=True)  # (B, nkv, n_rep*T, 1)
+            out = out.masked_fill(sees_bad, float("nan"))
+        out = out.view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one linear, ``gate_up_proj`` (fused at load time;
+    checkpoints keep ``gate_proj``/``up_proj``)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(H, 2 * I, bias=False)
+        self.down_proj = Linear(I, H, bias=False)
+        _keep_published_keys(self, "gate_up_proj", (("gate_proj", I), ("up_proj", I)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer; ``input_norm=False`` drops input_layernorm (EAGLE-1/2 layer 0)."""
+
+    def __init__(self, config: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(h, li, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:
+    """Switch exact NaN propagation (see ``Attention``) in every attention layer of ``module``.
+
+    ``on=None`` means the default: on for float16, off otherwise.
+    """
+    flag = dtype == torch.float16 if on is None else bool(on)
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.exact_nan = flag

@@ -1,0 +1,54 @@
+"""Side by side in one process: each removed speed tweak on vs off (monkeypatched), shipped models, fp32, 1 thread.
+
+    python tools/tweak_ab.py METHODS ROUNDS      # e.g. ar,eagle_chain,eagle_tree,draft_chain 6
+
+It measures the tweaks that issue 42 removed, so it runs on a tree that still has them: commit c7f3ed7
+(``git worktree add /tmp/c7f3ed7 c7f3ed7``, then run it there with ``PYTHONPATH=.``). Prints, per tweak,
+method and temperature, the median ``generate`` time with and without it. docs/performance.md has the figures.
+"""
+import sys, time, statistics, functools, torch
+torch.set_num_threads(1)
+from pathlib import Path
+from spec_decode.bench.config import METHOD_SPECS, BenchConfig, load_prompts
+from spec_decode.bench.methods import ModelCache
+import spec_decode.models.masks as masks, spec_decode.drafting as drafting, samplers.draws as draws
+import spec_decode.models.transformer as tr, spec_decode.models.eagle as eg, spec_decode.pipeline as pl
+M = Path("fixtures/models")
+cfg = BenchConfig(target=M/"tiny-target", draft_lm=M/"tiny-draft", eagle=M/"tiny-eagle", eagle3=M/"tiny-eagle3",
+                  prompts=Path("fixtures/prompts.jsonl"), progress=False)
+mc = ModelCache(cfg, "fp32", torch.device("cpu"))
+prompts = load_prompts(cfg.prompts, 4, 4096)[:4]
+orig = dict(pos=masks._positions, bias=masks._bias_values, pool=drafting._pool_depths, chain=drafting._chain_layout,
+            race=draws._race_tail, pc_t=tr.Transformer.prepare_chain, pc_e=eg._DraftHead.prepare_chain)
+def tables(on):
+    masks._positions = orig["pos"] if on else (lambda n, device: torch.arange(n, device=device))
+    masks._bias_values = orig["bias"] if on else orig["bias"].__wrapped__
+    drafting._pool_depths = orig["pool"] if on else orig["pool"].__wrapped__
+    drafting._chain_layout = orig["chain"] if on else orig["chain"].__wrapped__
+    draws._race_tail = orig["race"] if on else orig["race"].__wrapped__
+def prepare(on):
+    if on:
+        tr.Transformer.prepare_chain = orig["pc_t"]; eg._DraftHead.prepare_chain = orig["pc_e"]
+    else:
+        del tr.Transformer.prepare_chain; del eg._DraftHead.prepare_chain
+TWEAKS = {"tables": tables, "prepare_chain": prepare}
+methods = sys.argv[1].split(",")
+rounds = int(sys.argv[2])
+runners = {m: mc.runner(METHOD_SPECS[m]) for m in methods}
+def run(m, T):
+    t0 = time.perf_counter(); runners[m].generate(prompts, 32, T, seed=1); return time.perf_counter() - t0
+for m in methods: run(m, 0.0); run(m, 1.0)
+res = {}
+for r in range(rounds):
+    for name, f in TWEAKS.items():
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            f(on)
+            for m in methods:
+                for T in (0.0, 1.0):
+                    res.setdefault((name, m, T, on), []).append(run(m, T))
+            f(True)
+for name in TWEAKS:
+    for m in methods:
+        for T in (0.0, 1.0):
+            on, off = statistics.median(res[(name, m, T, True)]), statistics.median(res[(name, m, T, False)])
+            print(f"{name:14s} {m:14s} T={T}: on {on*1e3:7.1f} ms  off {off*1e3:7.1f} ms  off/on {off/on:.3f}")
