@@ -1,7 +1,7 @@
 """SGLang plugin: safespec's NaN policy at SGLang's sampler and EAGLE verify sites.
 
 Supported: sglang 0.5.23. SGLang's ``load_plugins`` calls ``register`` through the
-entry point ``safespec = "spec_decode.sglang_plugin:register"`` in the group
+entry point ``safespec = "spec_decode.integrations.sglang_plugin:register"`` in the group
 ``sglang.srt.plugins`` (allow-listed with ``SGLANG_PLUGINS=safespec``). ``register``
 only *registers* hooks with SGLang's ``HookRegistry``; ``load_plugins`` applies them
 right after every plugin ran.
@@ -47,6 +47,10 @@ the start naming the ranks and their values. Under ``pp_size > 1`` without SGLan
 output path (``PP_HOOK_TARGETS``), ``guard``/``abort`` fall back to ``sanitize`` with one
 warning naming why: a stage that cannot see the counts could not finish the request.
 
+Layout: this module holds the hooks and ``register``; ``sglang_types`` the state and the
+counts' device, host and PP forms; ``sglang_ranks`` the agreement across ranks and the PP
+relay. Their names are re-exported here.
+
 Draft side: under every policy but ``off``, draft probabilities that reach rejection
 sampling (``verify_input.draft_probs``) are cleaned in place before ``eagle_sample``:
 NaN, Inf and negative entries become 0 and rows are renormalised; a row with no mass
@@ -63,10 +67,14 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import torch
-import torch.distributed as dist
 
 from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logits, sanitize_nan_logits
 from samplers import clean_probs
+from spec_decode.integrations.sglang_ranks import (add_counts_to_pp_tensors, agree, attach_relayed_counts,
+                                                   check_ranks_agree, fall_back_without_pp_relay, rank_config,
+                                                   sampler_groups, verify_groups, _detach_counts)
+from spec_decode.integrations.sglang_types import (  # noqa: F401 (COUNT_ROWS: re-exported)
+    ABORTING_POLICIES, COUNT_ROWS, PP_TENSOR_PREFIX, NanCountsOnDevice, NanCountsOnHost, PluginState, SGLangPluginError)
 
 logger = logging.getLogger(__name__)
 
@@ -115,28 +123,6 @@ ABORT_STATUS = HTTPStatus.INTERNAL_SERVER_ERROR
 ABORT_ERR_TYPE = "NanLogitsError"
 ROW_LABEL = "row{}"
 """Label of a sampler row when the batch's rids are unknown (no ModelRunner.sample context)."""
-COUNT_ROWS = ("nan", "dead_rows")
-"""Rows of the int32 [2, num_reqs] counts tensor that rides the result copy."""
-ABORTING_POLICIES = (NanPolicy.ABORT, NanPolicy.GUARD)
-PP_TENSOR_PREFIX = "safespec_nan_counts."
-"""Name of a site's counts in ``to_pp_tensors`` (SGLang prefixes it with its own output prefix)."""
-
-
-class SGLangPluginError(RuntimeError):
-    """The plugin refused to register: a hook target or a required symbol is missing."""
-
-
-@dataclass
-class PluginState:
-    """What the hooks share: the policy and the per-process warning flags."""
-
-    policy: NanPolicy
-    counts_backend: str = "auto"
-    warned_partial_nan: bool = False
-    announced: bool = False
-    pp_relay_missing: str | None = None  # why the PP hooks could not register, if they could not
-    warned_pp_rows: bool = False
-    ranks_checked: bool = False
 
 
 @dataclass
@@ -145,57 +131,6 @@ class _SampleCall:
 
     rids: list | None
     counts: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class NanCountsOnHost:
-    """SGLang ``HostAuxiliaryOutput``: one site's counts after SGLang's result copy.
-
-    Shape:
-        counts: int32 [2, len(rids)] on the host (rows ``COUNT_ROWS``).
-    """
-
-    site: str
-    rids: tuple
-    counts: torch.Tensor
-
-    def consume(self, batch, commits) -> None:
-        """Nothing: the ``Req.update_finish_state`` hook reads the counts earlier in the step."""
-
-
-@dataclass(frozen=True)
-class NanCountsOnDevice:
-    """SGLang ``DeviceAuxiliaryOutput``: one site's counts, copied with the sampled tokens.
-
-    Shape:
-        counts: int32 [2, len(rids)] on the logits' device (rows ``COUNT_ROWS``), a fresh
-            tensor (never a CUDA-graph buffer).
-    """
-
-    site: str
-    rids: tuple
-    counts: torch.Tensor
-
-    def copy_to_host(self, copy_tensor) -> NanCountsOnHost:
-        return NanCountsOnHost(self.site, self.rids, copy_tensor(self.counts))
-
-    def to_pp_tensors(self) -> dict:
-        """SGLang ``PipelineParallelAuxiliaryOutput``: the counts, named by site, for the PP ring."""
-        return {PP_TENSOR_PREFIX + self.site: self.counts}
-
-    @classmethod
-    def from_pp_tensors(cls, tensors, rids) -> list:
-        """The inverse of ``to_pp_tensors`` on a receiving stage: one output per site found.
-
-        ``tensors``: a stage's received output dict (keys as SGLang's transport wrote them);
-        ``rids``: the requests of the batch that ran the forward, in row order.
-        """
-        outputs = []
-        for key, counts in tensors.items():
-            _, found, site = key.partition(PP_TENSOR_PREFIX)
-            if found:
-                outputs.append(cls(site, tuple(rids), counts))
-        return outputs
 
 
 @dataclass
@@ -289,43 +224,6 @@ def mark_aborted(req, message: str, withheld: int = 0) -> None:
         if withheld and req.finished_len is None:
             req.finished_len = max(len(req.output_ids) - withheld, 0)
 
-
-def _has_peers(group) -> bool:
-    """Whether ``group`` (a torch ProcessGroup, or None) joins this process with another one."""
-    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def agree(counts: torch.Tensor, groups) -> torch.Tensor:
-    """Make ``counts`` the element-wise MAX over every rank of each group of ``groups``, in place.
-
-    Shape:
-        counts: int32 [2, num_reqs], the same requests in the same order on every rank.
-
-    A request with NaN on any rank then counts as NaN on all of them, so all finish it in
-    the same step. Groups with one rank are skipped: nothing is issued. On the stream: a
-    device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
-    """
-    for group in groups:
-        if _has_peers(group):
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-    return counts
-
-
-def sampler_groups(sampler) -> tuple:
-    """The groups whose ranks must agree at the sampler: SGLang's own sampler sync groups."""
-    return (getattr(sampler, "tp_sync_group", None), getattr(sampler, "cp_sync_group", None))
-
-
-def verify_groups() -> tuple:
-    """The group ``eagle_sample`` broadcasts its accept results over (attention-TP under DP attention)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return ()  # one process: no peer to agree with (and SGLang publishes no groups)
-    from sglang.srt.layers.dp_attention import is_dp_attention_enabled
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    group = parallel.attn_tp_group if is_dp_attention_enabled() else parallel.tp_group
-    return (group.device_group,) if group.world_size > 1 else ()
 
 
 def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str,
@@ -447,104 +345,6 @@ def announce(state: PluginState, server_args) -> None:
         )
 
 
-def _detach_counts(logits_output) -> list:
-    """Take every ``NanCountsOnDevice`` out of ``logits_output``'s auxiliary device output; return them.
-
-    SGLang's PP transport takes one auxiliary output; a composite with another plugin's
-    would not pass it, so the counts travel beside it (``add_counts_to_pp_tensors``).
-    """
-    from sglang.srt.managers.auxiliary_output import CompositeDeviceAuxiliaryOutput, append_auxiliary_output
-
-    current = getattr(logits_output, "auxiliary_device_output", None)
-    if current is None:
-        return []
-    outputs = current.outputs if isinstance(current, CompositeDeviceAuxiliaryOutput) else (current,)
-    ours = [o for o in outputs if isinstance(o, NanCountsOnDevice)]
-    if ours:
-        rest = None
-        for output in outputs:
-            if not isinstance(output, NanCountsOnDevice):
-                rest = append_auxiliary_output(rest, output)
-        logits_output.auxiliary_device_output = rest
-    return ours
-
-
-def add_counts_to_pp_tensors(tensor_dict: dict, outputs) -> None:
-    """Add each of ``outputs`` (``NanCountsOnDevice``) to a PP output dict with SGLang's own transport."""
-    from sglang.srt.sampling.sampling_observer_pp import add_auxiliary_output_to_pp_tensors
-
-    for output in outputs:
-        add_auxiliary_output_to_pp_tensors(tensor_dict, output)
-
-
-def attach_relayed_counts(state: PluginState, result, outputs) -> None:
-    """Give ``result`` (a stage's rebuilt ``GenerationBatchResult``) host copies of the relayed counts.
-
-    The copy is SGLang's own ``_async_d2h`` on the current (copy) stream, before SGLang records
-    the event it waits for ahead of processing this result: no host sync. Counts whose
-    columns do not match the batch's requests cannot name a request; they are dropped with
-    one warning (the logits were sanitized on the last stage).
-    """
-    from sglang.srt.managers import utils as sglang_utils
-    from sglang.srt.managers.auxiliary_output import CompositeHostAuxiliaryOutput
-
-    usable = [o for o in outputs if o.counts.shape[-1] == len(o.rids)]  # shapes are host metadata
-    if len(usable) < len(outputs) and not state.warned_pp_rows:
-        state.warned_pp_rows = True
-        logger.warning("safespec: relayed NaN counts do not match the batch's requests; not acted on (warned once)")
-    if not usable:
-        return
-    result.copy_auxiliary_output_to_cpu()  # SGLang's own outputs first: it skips the copy once a host output is set
-    host = [o.copy_to_host(sglang_utils._async_d2h) for o in usable]
-    existing = result.auxiliary_host_output
-    before = () if existing is None else getattr(existing, "outputs", (existing,))
-    result.auxiliary_host_output = CompositeHostAuxiliaryOutput(tuple(before) + tuple(host))
-
-
-def rank_config(state: PluginState) -> dict:
-    """What every rank must share: the plugin's policy and version, and SGLang's version."""
-    import sglang
-
-    from spec_decode import __version__
-
-    return {"policy": state.policy.value, "safespec": __version__, "sglang": getattr(sglang, "__version__", "unknown")}
-
-
-def check_ranks_agree(config: dict, group) -> None:
-    """Raise ``SGLangPluginError`` naming each rank's value when the ranks of ``group`` differ on ``config``.
-
-    One ``all_gather_object`` on ``group`` (a CPU/gloo group), once at start-up; nothing
-    when ``group`` has one rank.
-    """
-    if not _has_peers(group):
-        return
-    configs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(configs, config, group=group)
-    differing = sorted(key for key in config if len({str(c.get(key)) for c in configs}) > 1)
-    if differing:
-        by_rank = "; ".join(
-            f"rank {rank}: " + ", ".join(f"{key}={c.get(key)}" for key in differing) for rank, c in enumerate(configs)
-        )
-        raise SGLangPluginError(
-            f"safespec SGLang plugin: the ranks disagree on {', '.join(differing)} ({by_rank}); set "
-            "SAFESPEC_NAN_POLICY and install the same safespec and sglang on every node"
-        )
-
-
-def fall_back_without_pp_relay(state: PluginState, pp_size: int) -> None:
-    """Under ``pp_size > 1`` without the PP relay, turn guard/abort into sanitize, with one warning."""
-    if pp_size <= 1 or state.pp_relay_missing is None or state.policy not in ABORTING_POLICIES:
-        return
-    logger.warning(
-        "safespec SGLang plugin: NaN policy '%s' falls back to 'sanitize' under pp_size=%d: the pipeline "
-        "stages cannot all see the NaN counts, so they could not finish the same requests (%s)",
-        state.policy.value,
-        pp_size,
-        state.pp_relay_missing,
-    )
-    state.policy = NanPolicy.SANITIZE
-
-
 def _row_rids(num_rows: int) -> tuple:
     """Return (labels, call): the batch's rids when ModelRunner.sample supplied them."""
     call = _SAMPLE_CALL.get()
@@ -558,8 +358,16 @@ def make_hooks(state: PluginState) -> dict:
 
     Each hook has HookRegistry's AROUND signature ``hook(original_fn, *args, **kwargs)``
     except the finish hook, a BEFORE hook ``hook(req, *args, **kwargs)``, and the
-    announce hook, an AFTER hook ``hook(result, *args, **kwargs)``.
+    announce and ranks hooks, AFTER hooks ``hook(result, *args, **kwargs)`` (``hook_types``).
     """
+    hooks = {**_logits_hooks(state), **_scheduler_hooks(state), **_pp_hooks(state)}
+    for hook in hooks.values():
+        hook.safespec_hook = True
+    return hooks
+
+
+def _logits_hooks(state: PluginState) -> dict:
+    """The hooks at the two logits sites: the sampler (with its rids' context) and EAGLE verify."""
 
     def sampler_hook(original_fn, sampler, logits, sampling_info):
         """Policy on the sampler's [batch, V] logits, then SGLang's own preprocessing."""
@@ -605,6 +413,12 @@ def make_hooks(state: PluginState) -> dict:
             _attach(logits_output, NanCountsOnDevice("verify", tuple(rids), counts))
         return out
 
+    return {SAMPLER_TARGET: sampler_hook, SAMPLE_CONTEXT_TARGET: sample_context_hook, VERIFY_TARGET: verify_hook}
+
+
+def _scheduler_hooks(state: PluginState) -> dict:
+    """The hooks in the scheduler: the result being processed, the finish check, start-up."""
+
     def result_hook(original_fn, scheduler, batch, result, *args, **kwargs):
         """Expose the result being processed to ``finish_hook`` (reads nothing here)."""
         token = _RESULT.set(_ResultInProcess(result))
@@ -646,6 +460,13 @@ def make_hooks(state: PluginState) -> dict:
         fall_back_without_pp_relay(state, parallel.pp_size)
         return None
 
+    return {RESULT_TARGET: result_hook, FINISH_TARGET: finish_hook, ANNOUNCE_TARGET: announce_hook,
+            RANKS_TARGET: ranks_hook}
+
+
+def _pp_hooks(state: PluginState) -> dict:
+    """The PP relay: the last stage sends the counts round the ring, every stage rebuilds them."""
+
     def pp_send_hook(original_fn, scheduler, result, batch, *args, **kwargs):
         """Last stage: put the counts in the output dict SGLang sends round the PP ring."""
         ours = _detach_counts(getattr(result, "logits_output", None))
@@ -671,20 +492,7 @@ def make_hooks(state: PluginState) -> dict:
             attach_relayed_counts(state, result, NanCountsOnDevice.from_pp_tensors(ours, rids))
         return result
 
-    hooks = {
-        SAMPLER_TARGET: sampler_hook,
-        SAMPLE_CONTEXT_TARGET: sample_context_hook,
-        VERIFY_TARGET: verify_hook,
-        RESULT_TARGET: result_hook,
-        FINISH_TARGET: finish_hook,
-        ANNOUNCE_TARGET: announce_hook,
-        RANKS_TARGET: ranks_hook,
-        PP_SEND_TARGET: pp_send_hook,
-        PP_RECV_TARGET: pp_recv_hook,
-    }
-    for hook in hooks.values():
-        hook.safespec_hook = True
-    return hooks
+    return {PP_SEND_TARGET: pp_send_hook, PP_RECV_TARGET: pp_recv_hook}
 
 
 def hook_types() -> dict:
