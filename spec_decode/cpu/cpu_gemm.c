@@ -1,6 +1,6 @@
 /* Small-batch float32 projections for AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]).
  *
- * Built and loaded by spec_decode/cpu_gemm.py (see its docstring for why and when it is used).
+ * Built and loaded by spec_decode/cpu/cpu_gemm.py (see its docstring for why and when it is used).
  *
  * W comes packed in panels of 16 output columns, [ceil(N / 16), K, 16] (zero padded), so a
  * microkernel streams each panel once, contiguously, for a block of up to 6 rows of x. Every
