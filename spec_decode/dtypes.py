@@ -29,9 +29,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    **DTYPES, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "float": torch.float32,
 }
 
 

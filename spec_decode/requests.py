@@ -45,8 +45,9 @@ class _Requests:
                                  f"exceeds the target's max_position_embeddings ({limit})")
         # Names the argument and the request on a bad value. Tensors on another device than the CPU
         # are range-checked too: one host sync, at set-up only.
-        given_tensors = any(isinstance(v, torch.Tensor) for v in sampling_args.values())
-        sampling = SamplingParams.build(B, **sampling_args, device=device, check_inputs=given_tensors)
+        # CPU tensors are range-checked as they are parsed; others need the check_inputs read
+        on_device = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in sampling_args.values())
+        sampling = SamplingParams.build(B, **sampling_args, device=device, check_inputs=on_device)
         temperature = sampling_args["temperature"]
         all_sampled = all(t is None or (isinstance(t, (int, float)) and t > 0)
                           for t in _per_request("temperature", temperature, B))

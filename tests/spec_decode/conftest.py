@@ -34,3 +34,21 @@ def tiny_target_dir(tmp_path) -> Path:
 def tiny_target(tiny_target_dir) -> Transformer:
     """The tiny target loaded in float32."""
     return Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> list:
+    """The names of every tensor -> host read made while the test runs, in order."""
+    calls = []
+    for name in HOST_READS:
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    return calls
