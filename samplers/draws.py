@@ -12,6 +12,7 @@ greedy row's tokens never use its numbers either way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from numbers import Integral
 
@@ -86,8 +87,10 @@ def _race_scores(weights: torch.Tensor, generator: Generators) -> torch.Tensor:
     return torch.where(w > 0, w / e, _race_tail(w.shape[-1], w.device))
 
 
+@functools.lru_cache(maxsize=16)
 def _race_tail(vocab: int, device: torch.device) -> torch.Tensor:
-    """``-1 - i`` for i < vocab, float64: the scores of non-positive weights."""
+    """``-1 - i`` for i < vocab, float64: the scores of non-positive weights (cached, never written to:
+    a draw takes two ops fewer; ``docs/performance.md`` has what that is worth)."""
     return -1.0 - torch.arange(vocab, dtype=torch.float64, device=device)
 
 

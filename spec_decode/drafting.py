@@ -31,6 +31,7 @@ sampled drafts
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
@@ -76,6 +77,10 @@ class Drafter(Protocol):
     def new_cache(self, batch_size: int, max_len: int):
         """An empty ``KVCache`` for this drafter."""
 
+    # Optional, outside the protocol's checked members: ``prepare_chain(cache, num_calls, kv_len)``,
+    # the inputs of a chain's successive one-token calls built at once (``model.chain_block_inputs``),
+    # each passed back as ``draft_forward(token, features, cache, block=...)``. Drafting uses it when
+    # present; without it, every call builds its own positions and mask.
 
 
 @dataclass
@@ -181,8 +186,10 @@ class _Pool:
         return (torch.cat(self.scores, 1), torch.cat(self.tokens, 1), torch.cat(self.parents, 1), kept, depth)
 
 
+@functools.lru_cache(maxsize=64)
 def _pool_depths(sizes: tuple[int, ...], depths: tuple[int, ...], device: torch.device) -> Tensor:
-    """The depth of every pool entry, [P] int64, for a pool of ``sizes`` entries per depth."""
+    """The depth of every pool entry, [P] int64, for a pool of ``sizes`` entries per depth (cached: the
+    same few shapes every step, an op per depth saved). Never written to."""
     return torch.cat([torch.full((n,), d, dtype=torch.long, device=device) for n, d in zip(sizes, depths)])
 
 
@@ -388,8 +395,11 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     chain, qs = [root[:, None]], []
     logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
     # A chain node sees every spec row before it: each call is a plain causal one-token forward
-    # written depth - 1 rows after the committed ones, so the spec rows count as committed for the
-    # moment (the lengths go back below).
+    # written depth - 1 rows after the committed ones. A drafter with ``prepare_chain`` builds those
+    # calls' positions and masks at once; otherwise the spec rows count as committed for the moment
+    # (the lengths go back below) and each call builds its own.
+    prepare = getattr(drafter, "prepare_chain", None)
+    blocks = prepare(cache, num_steps - 1, kv_len) if prepare is not None and num_steps > 1 else None
     advanced = 0
     try:
         for depth in range(1, N):
@@ -398,10 +408,13 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
             qs.append(exp.q)
             if depth == num_steps:
                 break
-            hidden, feature = drafter.draft_forward(chain[-1], feature, cache,
-                                                    kv_len=None if kv_len is None else kv_len + depth)
-            cache.lengths += 1
-            advanced += 1
+            if blocks is not None:
+                hidden, feature = drafter.draft_forward(chain[-1], feature, cache, block=blocks[depth - 1])
+            else:
+                hidden, feature = drafter.draft_forward(chain[-1], feature, cache,
+                                                        kv_len=None if kv_len is None else kv_len + depth)
+                cache.lengths += 1
+                advanced += 1
             logits = drafter.compute_logits(hidden)
     finally:
         if advanced:   # nothing speculative stays committed: the next catch-up overwrites it
@@ -423,9 +436,10 @@ def chain_tree(tokens: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
                      max_children=1, chain=True)
 
 
+@functools.lru_cache(maxsize=16)
 def _chain_layout(batch: int, n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """parents [B, N], depth [B, N] and the causal tree mask [B, N, N] of a chain of ``n`` nodes
-    (expanded views)."""
+    """parents [B, N], depth [B, N] and the causal tree mask [B, N, N] of a chain of ``n`` nodes (cached:
+    the same few shapes every step). Expanded views, never written to."""
     nodes = torch.arange(n, device=device)
     mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
     return (nodes - 1).expand(batch, n), nodes.expand(batch, n), mask.expand(batch, n, n)

@@ -1,6 +1,9 @@
 """Side by side in one process: each removed speed tweak on vs off (monkeypatched), shipped models, fp32, 1 thread.
 
-    python tools/tweak_ab.py METHODS ROUNDS      # e.g. ar,eagle_chain,eagle_tree,draft_chain 6
+    taskset -c 0 python tools/tweak_ab.py METHODS ROUNDS      # e.g. ar,eagle_chain,eagle_tree,draft_chain 6
+
+On and off alternate call by call (each prompt alone, at T=0 and T=1); per round, the ratio of the summed
+times off / on. Pin it to one CPU (``taskset``): a shared VM's vCPUs differ in speed.
 
 It measures the tweaks that issue 42 removed, so it runs on a tree that still has them: commit c7f3ed7
 (``git worktree add /tmp/c7f3ed7 c7f3ed7``, then run it there with ``PYTHONPATH=.``). Prints, per tweak,
@@ -35,20 +38,28 @@ TWEAKS = {"tables": tables, "prepare_chain": prepare}
 methods = sys.argv[1].split(",")
 rounds = int(sys.argv[2])
 runners = {m: mc.runner(METHOD_SPECS[m]) for m in methods}
-def run(m, T):
-    t0 = time.perf_counter(); runners[m].generate(prompts, 32, T, seed=1); return time.perf_counter() - t0
-for m in methods: run(m, 0.0); run(m, 1.0)
+def run(m, i, T):
+    t0 = time.perf_counter(); runners[m].generate([prompts[i]], 32, T, seed=i); return time.perf_counter() - t0
+for f in TWEAKS.values():   # warm up both sides of every tweak
+    for on in (True, False):
+        f(on)
+        for m in methods: run(m, 0, 0.0); run(m, 0, 1.0)
+    f(True)
+# on and off alternate call by call (one prompt alone, one temperature), so the machine's drift hits both alike
 res = {}
 for r in range(rounds):
     for name, f in TWEAKS.items():
-        for on in ((True, False) if r % 2 == 0 else (False, True)):
-            f(on)
-            for m in methods:
-                for T in (0.0, 1.0):
-                    res.setdefault((name, m, T, on), []).append(run(m, T))
-            f(True)
+        for m in methods:
+            for T in (0.0, 1.0):
+                tot = {True: 0.0, False: 0.0}
+                for i in range(len(prompts)):
+                    for on in ((True, False) if (r + i) % 2 == 0 else (False, True)):
+                        f(on)
+                        tot[on] += run(m, i, T)
+                    f(True)
+                res.setdefault((name, m, T), []).append(tot[False] / tot[True])
 for name in TWEAKS:
     for m in methods:
         for T in (0.0, 1.0):
-            on, off = statistics.median(res[(name, m, T, True)]), statistics.median(res[(name, m, T, False)])
-            print(f"{name:14s} {m:14s} T={T}: on {on*1e3:7.1f} ms  off {off*1e3:7.1f} ms  off/on {off/on:.3f}")
+            q = statistics.quantiles(res[(name, m, T)], n=4)
+            print(f"{name:14s} {m:14s} T={T}: off/on median {statistics.median(res[(name, m, T)]):.3f} (IQR {q[0]:.3f}-{q[2]:.3f})")

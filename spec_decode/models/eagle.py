@@ -81,7 +81,7 @@ from spec_decode.models.checkpoint import load_state_dict, read_key_names, save_
 from spec_decode.models.config import ModelConfig, RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import MLP, Attention, DecoderLayer, RMSNorm, set_exact_nan
-from spec_decode.models.masks import LayerInputs, check_block_args, prepare_block
+from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
 from spec_decode.models.transformer import ModelOutput, Transformer, assign_state
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -178,18 +178,23 @@ class _DraftHead(RopeFrequencies, nn.Module):
 
     def draft_forward(self, tokens: Tensor, features: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                       tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                      kv_len: int | None = None) -> tuple[Tensor, Tensor]:
+                      kv_len: int | None = None, block: LayerInputs | None = None) -> tuple[Tensor, Tensor]:
         """One head forward without logits (``Drafter`` protocol); same cache semantics as ``forward``.
 
         Shape: tokens [B, T]; features [B, T, H] (``features()`` of the target output, or the feedback of the
         previous depth) -> (hidden [B, T, H] for ``compute_logits``, the same tensor as the next depth's features).
+        ``block``: one entry of ``prepare_chain`` (``model.block_inputs``).
         """
         out = self(tokens, features, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
-                   kv_len=kv_len, return_logits=False)
+                   kv_len=kv_len, return_logits=False, block=block)
         return out.hidden, out.hidden
 
+    def prepare_chain(self, cache: KVCache, num_calls: int, kv_len: int | None) -> list[LayerInputs]:
+        """``model.chain_block_inputs`` for this head: the ``block`` of each of a chain's one-token calls."""
+        return chain_block_inputs(self, cache, num_calls, self.dtype, kv_len)
+
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
-                         input_lens, kv_len, feature_dims: tuple[int, ...]):
+                         input_lens, kv_len, feature_dims: tuple[int, ...], block: LayerInputs | None = None):
         device, dtype = self.device, self.dtype   # once per forward
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, device)
         B, T = input_ids.shape
@@ -203,7 +208,8 @@ class _DraftHead(RopeFrequencies, nn.Module):
         if cache.num_layers != self.num_cache_layers():
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
         emb = self.embed_tokens(input_ids)  # (B, T, H)
-        li = prepare_block(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len)
+        li = block_inputs(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len, block)
+        # the casts are skipped, not made no-ops: a no-op cast is still an op call
         return (emb if emb.dtype == dtype else emb.to(dtype)), (hidden if hidden.dtype == dtype else hidden.to(dtype)), li
 
     def to_hf_config(self) -> dict:
@@ -289,7 +295,8 @@ class EagleHead(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True,
+                block: LayerInputs | None = None) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -298,7 +305,7 @@ class EagleHead(_DraftHead):
         NaN in ``hidden`` propagates to the outputs of the rows that attend to it.
         """
         emb, hidden, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                 kv_len, (self.config.hidden_size,))
+                                                 kv_len, (self.config.hidden_size,), block)
         x = self.fc(torch.cat((emb, hidden), dim=-1))  # (B, T, H)
         for i, layer in enumerate(self.layers):
             x = layer(x, blk, cache, i)
@@ -444,7 +451,8 @@ class Eagle3Head(_DraftHead):
 
     def forward(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None,
-                kv_len: int | None = None, return_logits: bool = True) -> DraftOutput:
+                kv_len: int | None = None, return_logits: bool = True,
+                block: LayerInputs | None = None) -> DraftOutput:
         """One draft forward over a new block (same cache semantics as ``Transformer.forward``).
 
         Shape:
@@ -454,7 +462,7 @@ class Eagle3Head(_DraftHead):
         """
         H, Ht = self.config.hidden_size, self.target_hidden_size
         emb, feature, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                  kv_len, (H, 3 * Ht))
+                                                  kv_len, (H, 3 * Ht), block)
         if feature.shape[-1] != H:
             feature = self.fc(feature)
         x = self.midlayer(emb, feature, blk, cache)

@@ -5,6 +5,7 @@ Terms (committed rows, new block, tree mask) as in the glossary of ``spec_decode
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,8 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     ``n_rep``: the query heads that share one kv head are folded into the query axis (grouped-query
     attention without copying the cache): row ``r * T + t`` is token ``t`` of the r-th of them.
 
-    Built on the small [B, T, S] span and spread over the ``kv_len`` keys with one gather.
+    Built on the small [B, T, S] span and spread over the ``kv_len`` keys with one gather: a forward
+    pays a dozen small ops for it, which matters for a one-layer drafter.
 
     Shape:
         lengths: [B] int64; tree_mask: [B, T, S] bool (S >= T) or None; input_lens: [B] or None
@@ -62,7 +64,7 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
     B = lengths.shape[0]
     span = num_new if tree_mask is None else tree_mask.shape[-1]
     past = span - num_new  # uncommitted rows written before this block
-    j = torch.arange(span, device=device)
+    j = _positions(span, device)
     own_row = j[past:, None]  # (T, 1): each token's own row in the span
     if tree_mask is None:
         vis = j <= own_row  # causal (T, S), own row included (past == 0)
@@ -75,7 +77,7 @@ def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: 
         vis = vis[:, None].expand(B, n_rep, num_new, span).reshape(B, n_rep * num_new, span)
     # column 0 stands for every committed key (visible), 1..S for the span, S + 1 for the keys after it
     ext = F.pad(F.pad(vis, (1, 0), value=True), (0, 1), value=False)  # (B, R, S + 2)
-    col = (torch.arange(kv_len + 1, device=device)[1:] - lengths[:, None]).clamp_(0, span + 1)  # (B, kv_len)
+    col = (_positions(kv_len + 1, device)[1:] - lengths[:, None]).clamp_(0, span + 1)  # (B, kv_len)
     return ext.gather(2, col[:, None, :].expand(B, ext.shape[1], kv_len))[:, None]
 
 
@@ -89,10 +91,33 @@ def causal_block_mask(write_pos: Tensor, kv_len: int, n_rep: int = 1) -> Tensor:
     Shape: write_pos [B, T] int64 -> [B, 1, n_rep * T, kv_len] bool (query heads folded as there).
     """
     B, T = write_pos.shape
-    vis = torch.arange(kv_len, device=write_pos.device) <= write_pos[:, :, None]  # (B, T, kv_len)
+    vis = _positions(kv_len, write_pos.device) <= write_pos[:, :, None]  # (B, T, kv_len)
     if n_rep > 1:   # a view when T == 1, one copy otherwise
         vis = vis[:, None].expand(B, n_rep, T, kv_len).reshape(B, n_rep * T, kv_len)
     return vis[:, None]
+
+
+@functools.lru_cache(maxsize=16)
+def _arange_table(n: int, device: torch.device) -> Tensor:
+    return torch.arange(n, device=device)
+
+
+def _positions(n: int, device: torch.device) -> Tensor:
+    """``torch.arange(n)`` as a view of a cached table (grown in powers of two, never written to).
+
+    A forward's mask and write positions take an arange or two, and a one-layer drafter pays them once
+    per call (``docs/performance.md`` has what the cache is worth).
+    """
+    if torch.compiler.is_compiling():   # a graph makes its own; the cache is for eager op counts
+        return torch.arange(n, device=device)
+    size = 1 << max(n - 1, 0).bit_length()
+    return _arange_table(max(size, 64), device)[:n]
+
+
+@functools.lru_cache(maxsize=16)
+def _bias_values(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """0 and -inf as 0-d tensors of ``dtype`` (the two values of an attention bias), cached."""
+    return (torch.zeros((), dtype=dtype, device=device), torch.full((), float("-inf"), dtype=dtype, device=device))
 
 
 def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | None, tree_mask: Tensor | None,
@@ -134,7 +159,7 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
     """
     lengths = cache.lengths
     past = 0 if tree_mask is None else tree_mask.shape[-1] - num_new
-    write_pos = lengths[:, None] + torch.arange(past, past + num_new, device=lengths.device)  # (B, T)
+    write_pos = lengths[:, None] + _positions(past + num_new, lengths.device)[past:]  # (B, T)
     if position_ids is None:
         position_ids = write_pos
     cos_sin = _rope_rows(module, cache, position_ids.to(lengths.device), dtype)  # (B, T, 2D)
@@ -166,6 +191,71 @@ def _n_rep(module: RopeFrequencies) -> int:
 
 
 def _mask_bias(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """0 where ``mask``, -inf elsewhere, in ``dtype``."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, torch.full((), float("-inf"), dtype=dtype, device=mask.device))
+    """0 where ``mask``, -inf elsewhere, in ``dtype``: one op, not full + masked_fill_ (a compiled graph
+    makes its own two values)."""
+    values = _bias_values.__wrapped__ if torch.compiler.is_compiling() else _bias_values
+    return torch.where(mask, *values(dtype, mask.device))
+
+
+def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, dtype: torch.dtype,
+                       kv_len: int | None) -> list[LayerInputs]:
+    """``prepare_block``'s inputs of ``num_calls`` successive one-token causal forwards, built at once.
+
+    Call ``d`` (0-based) writes its token at ``cache.lengths + d`` (the lengths as they are now: the
+    caller does not advance them between calls) and attends over the first ``kv_len + d + 1`` rows
+    (every row when ``kv_len`` is None), exactly what ``prepare_block(module, cache, 1, ...)`` gives
+    after ``d`` increments of ``cache.lengths``. A chain drafter pays a dozen small ops for its inputs
+    once per chain instead of once per depth (``docs/performance.md``). The masks and biases are views
+    of one [num_calls, B, 1, n_rep, S] buffer, so each call's bias is strided, not contiguous.
+
+    Shape: returns ``num_calls`` LayerInputs of a [B, 1] block (``LayerInputs``' shapes with T = 1).
+    """
+    if num_calls < 1:
+        raise ValueError(f"num_calls must be >= 1, got {num_calls}")
+    if kv_len is not None and not 0 <= kv_len <= cache.max_len - num_calls:
+        raise ValueError(f"a chain of {num_calls} calls after kv_len={kv_len} rows does not fit the cache "
+                         f"(max_len {cache.max_len})")
+    lengths = cache.lengths
+    B, C = lengths.shape[0], num_calls
+    write_pos = lengths[:, None] + _positions(C, lengths.device)  # (B, C)
+    cos_sin = _rope_rows(module, cache, write_pos, dtype)  # (B, C, 2D)
+    D = cos_sin.shape[-1] // 2
+    n_rep = _n_rep(module)
+    full = cache.max_len if kv_len is None else kv_len + C
+    # (C, B, 1, n_rep, full): call d's mask is a contiguous [B, 1, n_rep, full] slab before its key trim
+    mask = (_positions(full, lengths.device) <= write_pos.T[:, :, None])[:, :, None, None].expand(C, B, 1, n_rep, full)
+    bias = _mask_bias(mask, dtype)
+    # one unbind per input, not a slice per call and input: fewer ops
+    cs = cos_sin.view(B, C, 1, 1, 2 * D)
+    cos, sin = cs[..., :D].unbind(1), cs[..., D:].unbind(1)                       # C x (B, 1, 1, D)
+    pos = write_pos.view(B, C, 1).unbind(1)                                       # C x (B, 1)
+    rows = write_pos.view(B, 1, C, 1, 1).expand(B, cache.k.shape[2], C, 1, cache.k.shape[4]).unbind(2)
+    masks, biases = mask.unbind(0), bias.unbind(0)                                # C x (B, 1, n_rep, full)
+    if kv_len is None:
+        return [LayerInputs(*a) for a in zip(cos, sin, pos, rows, masks, biases)]
+    return [LayerInputs(cos[d], sin[d], pos[d], rows[d], masks[d][..., :kv_len + d + 1],
+                        biases[d][..., :kv_len + d + 1]) for d in range(C)]
+
+
+def block_inputs(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: torch.dtype,
+                 position_ids: Tensor | None, tree_mask: Tensor | None, input_lens: Tensor | None,
+                 kv_len: int | None, block: LayerInputs | None) -> LayerInputs:
+    """``block`` (one call's entry of ``chain_block_inputs``) when given, else ``prepare_block``'s inputs.
+
+    A given block already fixes the positions, the mask and the keys, so it comes alone: with
+    ``position_ids``, ``tree_mask``, ``input_lens`` or ``kv_len``, or for more than one token, ValueError.
+    """
+    if block is None:
+        return prepare_block(module, cache, num_new, dtype, position_ids, tree_mask, input_lens, kv_len)
+    if not isinstance(block, LayerInputs):
+        raise ValueError(f"block must be a LayerInputs from chain_block_inputs, got {type(block).__name__}")
+    given = [n for n, v in (("position_ids", position_ids), ("tree_mask", tree_mask), ("input_lens", input_lens),
+                            ("kv_len", kv_len)) if v is not None]
+    if given or num_new != 1:
+        raise ValueError(f"block is for one causal token and comes alone; got {num_new} tokens"
+                         + (f" and {', '.join(given)}" if given else ""))
+    if block.mask.shape[-1] > cache.max_len or block.write_pos.shape[0] != cache.batch_size:
+        raise ValueError(f"block was built for another cache (batch {block.write_pos.shape[0]}, "
+                         f"{block.mask.shape[-1]} keys; this cache: batch {cache.batch_size}, "
+                         f"max_len {cache.max_len})")
+    return block

@@ -24,7 +24,7 @@ from spec_decode.models.checkpoint import eos_ids, load_state_dict, read_eos_tok
 from spec_decode.models.config import IGNORED_CHECKPOINT_SUFFIXES, ModelConfig, RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import DecoderLayer, RMSNorm, set_exact_nan
-from spec_decode.models.masks import check_block_args, prepare_block
+from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
 
 
 @dataclass
@@ -90,14 +90,19 @@ class Transformer(RopeFrequencies, nn.Module):
 
     def draft_forward(self, tokens: Tensor, features: Tensor | None, cache: KVCache, *,
                       position_ids: Tensor | None = None, tree_mask: Tensor | None = None,
-                      input_lens: Tensor | None = None, kv_len: int | None = None) -> tuple[Tensor, None]:
+                      input_lens: Tensor | None = None, kv_len: int | None = None,
+                      block: LayerInputs | None = None) -> tuple[Tensor, None]:
         """One forward without logits (``features`` is ignored); same cache semantics as ``forward``.
 
         Shape: tokens [B, T] -> (hidden [B, T, H] for ``compute_logits``, None: no feedback features).
         """
         out = self(tokens, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
-                   kv_len=kv_len, return_logits=False)
+                   kv_len=kv_len, return_logits=False, block=block)
         return out.hidden, None
+
+    def prepare_chain(self, cache: KVCache, num_calls: int, kv_len: int | None) -> list[LayerInputs]:
+        """``chain_block_inputs`` for this model: the ``block`` of each of a chain's one-token calls."""
+        return chain_block_inputs(self, cache, num_calls, self.dtype, kv_len)
 
     def to_target_ids(self, ids: Tensor) -> Tensor:
         """Identity: a draft LM shares the target's vocabulary. Shape: any -> same."""
@@ -110,7 +115,8 @@ class Transformer(RopeFrequencies, nn.Module):
     # ---- forward
     def forward(self, input_ids: Tensor, cache: KVCache, *, position_ids: Tensor | None = None,
                 tree_mask: Tensor | None = None, input_lens: Tensor | None = None, aux_layers: tuple[int, ...] = (),
-                kv_len: int | None = None, return_logits: bool = True) -> ModelOutput:
+                kv_len: int | None = None, return_logits: bool = True,
+                block: LayerInputs | None = None) -> ModelOutput:
         """Run a new block of tokens after each slot's committed rows; writes their K/V, keeps ``lengths``.
 
         Token ``t`` of request ``b`` attends to committed rows ``< lengths[b]`` and to uncommitted rows
@@ -124,6 +130,8 @@ class Transformer(RopeFrequencies, nn.Module):
             input_ids: [B, T]; position_ids: [B, T] (default lengths[:, None] + arange(T));
             tree_mask: [B, T, S] bool, S >= T; input_lens: [B] (tokens t >= input_lens[b] are padding)
             returns ModelOutput(logits [B, T, V], hidden [B, T, H], aux_hidden tuple of [B, T, H])
+        ``block``: one call's inputs from ``chain_block_inputs`` instead of positions, mask and ``kv_len``
+        (``block_inputs``).
         """
         check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
         L = self.config.num_hidden_layers
@@ -133,7 +141,8 @@ class Transformer(RopeFrequencies, nn.Module):
         if cache.num_layers != L:
             raise ValueError(f"cache has {cache.num_layers} layers, the model {L}")
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        li = prepare_block(self, cache, input_ids.shape[1], x.dtype, position_ids, tree_mask, input_lens, kv_len)
+        li = block_inputs(self, cache, input_ids.shape[1], x.dtype, position_ids, tree_mask, input_lens, kv_len,
+                          block)
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, li, cache, i)

@@ -174,10 +174,26 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
                 assert torch.allclose(q.sum(), torch.tensor(1.0)) and bool((q[kids] > 0).all())
 
 
-def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails(tmp_path):
-    """The chain counts its spec rows as committed while it drafts: an error midway must not keep them."""
+class _WithoutPrepareChain:
+    """A drafter seen without its optional ``prepare_chain``: chain drafting takes the per-call path."""
+
+    def __init__(self, drafter):
+        self._drafter = drafter
+
+    def __getattr__(self, name):
+        if name == "prepare_chain":
+            raise AttributeError(name)
+        return getattr(self._drafter, name)
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepare_chain", "per-call"])
+def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails(tmp_path, prepared):
+    """Without ``prepare_chain`` the chain counts its spec rows as committed while it drafts; with it,
+    the lengths never move. Either way an error midway must not keep them."""
     from spec_decode.drafting import draft_tree
     target, drafter = _target_and_drafter(tmp_path, "eagle")
+    if not prepared:
+        drafter = _WithoutPrepareChain(drafter)
     prompts = torch.tensor([[3, 14, 15, 92, 65, 35]])
     calls = []
     real_logits = drafter.compute_logits
@@ -242,6 +258,25 @@ def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+def test_chain_drafting_without_prepare_chain_builds_the_same_tree(tmp_path, kind):
+    """A drafter without the optional ``prepare_chain`` drafts per call, to the same chain and q."""
+    from spec_decode.drafting import DraftSampling, draft_tree
+    with torch.no_grad():
+        args = _three_rows_after_a_prompt(tmp_path, kind)
+        drafter, cache = args[0], args[1]
+        trees = []
+        for d in (drafter, _WithoutPrepareChain(drafter)):
+            gens = [torch.Generator().manual_seed(s) for s in range(3)]
+            sampling = DraftSampling(torch.tensor([True, False, True]), torch.tensor([0.7, 1.0, 1.3]), None, None,
+                                     gens)
+            trees.append(draft_tree(d, *args[1:], num_steps=4, topk=1, num_draft_tokens=5, kv_len=6,
+                                    sampling=sampling))
+            assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
+    assert torch.equal(trees[0].tokens, trees[1].tokens)
+    assert torch.equal(trees[0].draft_probs, trees[1].draft_probs)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
 def test_a_cold_score_temperature_keeps_the_chain_of_first_choices(tmp_path, kind):
     """score_temperature -> 0 ranks every first choice above every sibling: a 4/2/5 tree is then the
     4/1/5 chain. At 1.0 (EAGLE-2's rule) the same tree keeps siblings, so the temperature is used."""
@@ -284,3 +319,71 @@ def test_a_chain_expansion_keeps_the_id_the_scored_expansion_ranks_first(dtype):
     assert torch.equal(chain.ids, scored.ids)
     assert [chain.ids[0, 0, 0].item(), chain.ids[1, 1, 0].item(), chain.ids[2, 2, 0].item()] == [5, 9, 0]
     assert chain.ids[3, 0, 0].item() == 100
+
+
+def _chain_calls(drafter, cache, tokens, feature, kv_len, prepared: bool):
+    """Three one-token calls after the committed rows, by ``prepare_chain`` or by advancing the lengths."""
+    blocks = drafter.prepare_chain(cache, 3, kv_len) if prepared else None
+    hiddens = []
+    for d in range(3):
+        if prepared:
+            hidden, fb = drafter.draft_forward(tokens[:, d:d + 1], feature, cache, block=blocks[d])
+        else:
+            hidden, fb = drafter.draft_forward(tokens[:, d:d + 1], feature, cache,
+                                               kv_len=None if kv_len is None else kv_len + d + 1)
+            cache.lengths += 1
+        hiddens.append(hidden)
+        feature = fb
+    if not prepared:
+        cache.lengths -= 3
+    return hiddens
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_len", [6, None])
+def test_prepared_chain_calls_give_the_bits_of_calls_that_build_their_own_inputs(tmp_path, kind, dtype, kv_len):
+    """``prepare_chain`` builds every call's positions and masks at once: same hidden states and the
+    same K/V written, bit for bit, for rows with different committed lengths."""
+    target, drafter = _target_and_drafter(tmp_path, kind)
+    target, drafter = target.to(dtype), drafter.to(dtype)
+    prompts = torch.tensor([[3, 14, 15, 92, 65, 35], [8, 9, 79, 32, 38, 46]])
+    with torch.no_grad():
+        out = target(prompts, target.new_cache(2, 64), aux_layers=drafter.aux_layers)
+        base = drafter.new_cache(2, 64)
+        hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), base)
+        base.commit(torch.tensor([6, 4]))
+        feature = None if feedback is None else feedback[:, -1:]
+        tokens = torch.tensor([[7, 21, 5], [11, 2, 40]])
+        runs = {}
+        for prepared in (False, True):
+            cache = type(base)(base.k.clone(), base.v.clone(), base.lengths.clone())
+            runs[prepared] = (_chain_calls(drafter, cache, tokens, feature, kv_len, prepared), cache)
+    (old, old_cache), (new, new_cache) = runs[False], runs[True]
+    for a, b in zip(old, new):
+        assert a.dtype == dtype and torch.equal(a, b)
+    assert torch.equal(old_cache.k, new_cache.k) and torch.equal(old_cache.v, new_cache.v)
+    assert torch.equal(new_cache.lengths, torch.tensor([6, 4]))   # prepare_chain never moves them
+
+
+def test_a_prepared_block_comes_alone_and_fits_its_cache(tmp_path):
+    target, drafter = _target_and_drafter(tmp_path, "eagle")
+    with torch.no_grad():
+        cache = drafter.new_cache(1, 16)
+        cache.lengths += 4
+        block = drafter.prepare_chain(cache, 2, 4)[0]
+        tok, feat = torch.tensor([[3]]), torch.zeros(1, 1, drafter.config.hidden_size)
+        for extra in ({"kv_len": 5}, {"position_ids": torch.tensor([[4]])}, {"input_lens": torch.tensor([1])}):
+            with pytest.raises(ValueError, match="comes alone"):
+                drafter.draft_forward(tok, feat, cache, block=block, **extra)
+        with pytest.raises(ValueError, match="one causal token"):
+            drafter.draft_forward(torch.tensor([[3, 4]]), feat.expand(1, 2, -1), cache, block=block)
+        with pytest.raises(ValueError, match="block must be a LayerInputs"):
+            drafter.draft_forward(tok, feat, cache, block="depth 1")
+        with pytest.raises(ValueError, match="another cache"):
+            drafter.draft_forward(torch.tensor([[3], [4]]), feat.expand(2, 1, -1), drafter.new_cache(2, 16),
+                                  block=block)
+        with pytest.raises(ValueError, match="num_calls must be >= 1"):
+            drafter.prepare_chain(cache, 0, 4)
+        with pytest.raises(ValueError, match="does not fit the cache"):
+            drafter.prepare_chain(cache, 13, 4)
