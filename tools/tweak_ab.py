@@ -5,9 +5,9 @@
 On and off alternate call by call (each prompt alone, at T=0 and T=1); per round, the ratio of the summed
 times off / on. Pin it to one CPU (``taskset``): a shared VM's vCPUs differ in speed.
 
-It measures the tweaks that issue 42 removed, so it runs on a tree that still has them: commit c7f3ed7
-(``git worktree add /tmp/c7f3ed7 c7f3ed7``, then run it there with ``PYTHONPATH=.``). Prints, per tweak,
-method and temperature, the median ``generate`` time with and without it. docs/performance.md has the figures.
+It switches the tweaks issue 42 measured: the cached index tables and the chain drafter's ``prepare_chain``.
+Run it from the root of a tree with ``PYTHONPATH=.``. Prints, per tweak, method and temperature, the median
+over rounds of the time without it over the time with it. docs/performance.md has the figures.
 """
 import sys, time, statistics, functools, torch
 torch.set_num_threads(1)
