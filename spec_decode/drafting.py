@@ -78,9 +78,10 @@ class Drafter(Protocol):
         """An empty ``KVCache`` for this drafter."""
 
     # Optional, outside the protocol's checked members: ``prepare_chain(cache, num_calls, kv_len)``,
-    # the inputs of a chain's successive one-token calls built at once (``model.chain_block_inputs``),
-    # each passed back as ``draft_forward(token, features, cache, block=...)``. Drafting uses it when
-    # present; without it, every call builds its own positions and mask.
+    # the inputs of a chain's successive one-token calls built at once
+    # (``spec_decode.models.masks.chain_block_inputs``), each passed back as
+    # ``draft_forward(token, features, cache, block=...)``. Drafting uses it when present; without
+    # it, every call builds its own positions and mask.
 
 
 @dataclass

@@ -183,14 +183,14 @@ class _DraftHead(RopeFrequencies, nn.Module):
 
         Shape: tokens [B, T]; features [B, T, H] (``features()`` of the target output, or the feedback of the
         previous depth) -> (hidden [B, T, H] for ``compute_logits``, the same tensor as the next depth's features).
-        ``block``: one entry of ``prepare_chain`` (``model.block_inputs``).
+        ``block``: one entry of ``prepare_chain`` (``masks.block_inputs``).
         """
         out = self(tokens, features, cache, position_ids=position_ids, tree_mask=tree_mask, input_lens=input_lens,
                    kv_len=kv_len, return_logits=False, block=block)
         return out.hidden, out.hidden
 
     def prepare_chain(self, cache: KVCache, num_calls: int, kv_len: int | None) -> list[LayerInputs]:
-        """``model.chain_block_inputs`` for this head: the ``block`` of each of a chain's one-token calls."""
+        """``masks.chain_block_inputs`` for this head: the ``block`` of each of a chain's one-token calls."""
         return chain_block_inputs(self, cache, num_calls, self.dtype, kv_len)
 
     def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,

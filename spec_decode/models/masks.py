@@ -222,14 +222,14 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     D = cos_sin.shape[-1] // 2
     n_rep = _n_rep(module)
     full = cache.max_len if kv_len is None else kv_len + C
-    # (C, B, 1, n_rep, full): call d's mask is a contiguous [B, 1, n_rep, full] slab before its key trim
-    mask = (_positions(full, lengths.device) <= write_pos.T[:, :, None])[:, :, None, None].expand(C, B, 1, n_rep, full)
+    # every call's mask at once, calls first: C * B one-token rows of causal_block_mask
+    mask = causal_block_mask(write_pos.T.reshape(C * B, 1), full, n_rep).view(C, B, 1, n_rep, full)
     bias = _mask_bias(mask, dtype)
-    # one unbind per input, not a slice per call and input: fewer ops
+    # one unbind (or split) per input, not a slice per call and input: fewer ops
     cs = cos_sin.view(B, C, 1, 1, 2 * D)
     cos, sin = cs[..., :D].unbind(1), cs[..., D:].unbind(1)                       # C x (B, 1, 1, D)
     pos = write_pos.view(B, C, 1).unbind(1)                                       # C x (B, 1)
-    rows = write_pos.view(B, 1, C, 1, 1).expand(B, cache.k.shape[2], C, 1, cache.k.shape[4]).unbind(2)
+    rows = cache.row_index(write_pos).split(1, dim=2)                             # C x (B, n_kv, 1, D)
     masks, biases = mask.unbind(0), bias.unbind(0)                                # C x (B, 1, n_rep, full)
     if kv_len is None:
         return [LayerInputs(*a) for a in zip(cos, sin, pos, rows, masks, biases)]

@@ -918,7 +918,7 @@ def test_bf16_layers_keep_bf16_panels_with_the_bits_of_float32_ones():
     from spec_decode.cpu import panel_gemm_pays, set_panel_linears
 
     if not panel_gemm_pays():
-        pytest.skip("the panel kernel does not run on this CPU")
+        pytest.skip("Linear never routes to the panel kernel on this CPU (AVX-512, or no kernel: panel_gemm_pays)")
     lin = _packable_linear(320, 192, True).to(torch.bfloat16)
     x = torch.randn(1, 5, 192).to(torch.bfloat16)
     with torch.inference_mode():
