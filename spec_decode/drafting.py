@@ -41,6 +41,7 @@ from torch import Tensor
 
 from numerics import sanitize_nan_logits
 from samplers import SamplingParams, logits_to_probs, sample_without_replacement
+from samplers._params import float32_value, shown_value
 from samplers.tree import ancestor_mask  # noqa: F401  (part of this module's API)
 
 NO_PARENT = -1
@@ -206,9 +207,16 @@ def _greedy_children(logits: Tensor, k: int, score_temperature: float = 1.0) -> 
 
 
 def check_score_temperature(value, name: str = "score_temperature") -> float:
-    """A finite float > 0, or ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    """A float that is finite and > 0 in float32 (the logits it divides are float32 or narrower: 1e-46
+    would divide by 0, 10**400 is no float at all), or ValueError naming ``name``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = 0 < float32_value(float(value)) < math.inf
+        except OverflowError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number > 0 in float32, got {shown_value(value)}")
     return float(value)
 
 

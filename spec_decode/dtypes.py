@@ -48,7 +48,8 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """A device from None (CUDA when available, else the CPU), a ``torch.device`` or its name
     (``"cpu"``, ``"cuda"``, ``"cuda:1"``). ValueError naming ``device`` for a name torch does not
-    know, or a CUDA device this machine does not have."""
+    know, a device type other than cpu and cuda (``"meta"``, ``"mps"``, ``"xpu"``), or a CUDA device
+    this machine does not have."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not isinstance(device, (str, torch.device)):
@@ -57,6 +58,8 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
         dev = torch.device(device)
     except RuntimeError:
         raise ValueError(f"device must be None, a torch.device or a name such as 'cpu' or 'cuda:1', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):   # meta holds no values; mps, xpu and the rest are untested here
+        raise ValueError(f"device must be cpu or cuda[:N] (the devices safespec runs on), got {device!r}")
     if dev.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (dev.index or 0) >= count:

@@ -19,6 +19,12 @@ from __future__ import annotations
 from typing import Iterable
 
 
+MAX_LOOKUP_DRAFTS = 64
+"""The most lookup drafts one step verifies, whatever ``lookup_tokens`` says: a step's target forward, its
+mask and its rejected rows grow with the drafts, and a repeating context would otherwise make one step
+verify every remaining token."""
+
+
 def check_lookup_args(ngram, num_tokens) -> tuple[int, int]:
     """``(lookup_ngram, lookup_tokens)`` as ints: ngram >= 0 (0: off), num_tokens >= 1; else ValueError naming it."""
     for name, value, low in (("lookup_ngram", ngram, 0), ("lookup_tokens", num_tokens, 1)):

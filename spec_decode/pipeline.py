@@ -43,7 +43,7 @@ from spec_decode.depth import DepthController, _regime
 from spec_decode.drafting import DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature, draft_tree
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.lookup import ContextLookup, check_lookup_args
-from spec_decode.models import Transformer
+from spec_decode.models import Transformer, set_batch_invariant
 from spec_decode.outcome import finish_step
 from spec_decode.requests import (DEFAULT_TREE_SHAPES, DRAFT_SAMPLING, METHODS, _append_at, _auto_max_steps,
                                   _check_drafter, _check_method, _check_tree_shape, _compile_in_place, _lookup_budget,
@@ -107,15 +107,21 @@ class SpecDecoder:
     ``lookup_ngram``: 0 (default) drafts every step with the drafter. ``n >= 1`` makes a step of
     greedy requests verify **lookup drafts** instead whenever each request's last ``n`` tokens
     occurred before in its context (prompt and emitted tokens): the up to ``lookup_tokens`` tokens
-    that followed their latest occurrence, repeated with its period past the context's end
-    (``spec_decode.lookup``). Such a step makes no drafter call (the drafter catches up on its tokens
-    at the next drafted step), costs one target forward over the drafts, and is verified and
-    committed as any chain; it is cut to the shortest request's drafts and, with
+    (``lookup.MAX_LOOKUP_DRAFTS`` at most) that followed their latest occurrence, repeated with its
+    period past the context's end (``spec_decode.lookup``). Such a step makes no drafter call (the
+    drafter catches up on its tokens at the next drafted step), costs one target forward over the
+    drafts, and is verified and committed as any chain; it is cut to the shortest request's drafts
+    and, with
     ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it.
     Lookup pays where contexts repeat (the README has the shipped fixtures' figures). Batches with
     sampled requests take lookup steps only under ``draft_sampling="coupled"``, so that a request's
     tokens never depend on its batch-mates' contexts. ``method="none"`` with
     ``lookup_ngram`` is prompt lookup decoding alone.
+
+    ``batch_invariant``: None (default) keeps the models' setting, on for CPU models: each row of
+    every forward in one fixed order, so on CPU a verify block's logits are the bits of one-at-a-time
+    decoding (``spec_decode.models.set_batch_invariant``; docs/spec_decode.md#batch-invariance).
+    False: the fastest routes; True: ValueError where there is no invariant route (CUDA).
 
     ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
     (names in ``PHASES``); a no-op by default. ``spec-bench profile`` sets it.
@@ -131,12 +137,15 @@ class SpecDecoder:
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
                  num_steps: int | str | None = None, topk: int | None = None, num_draft_tokens: int | None = None,
                  nan_policy=None, draft_sampling: str = "auto", compile: bool = False,
-                 tree_score_temperature: float = 1.0, lookup_ngram: int = 0, lookup_tokens: int = 8):
+                 tree_score_temperature: float = 1.0, lookup_ngram: int = 0, lookup_tokens: int = 8,
+                 batch_invariant: bool | None = None):
         _check_method(method, drafter)
         num_steps, topk, num_draft_tokens = default_tree_shape(target.device, num_steps, topk, num_draft_tokens)
         self.auto_depth = num_steps == "auto"
         max_steps = _auto_max_steps(num_draft_tokens) if self.auto_depth else num_steps
-        _check_tree_shape(max_steps, topk, num_draft_tokens, auto=self.auto_depth)
+        resolve_device(target.device)   # a model on meta, mps, xpu...: ValueError naming device
+        _check_tree_shape(max_steps, topk, num_draft_tokens, auto=self.auto_depth,
+                          max_positions=target.config.max_position_embeddings)
         if draft_sampling not in DRAFT_SAMPLING:
             raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
         self.target = target
@@ -156,6 +165,10 @@ class SpecDecoder:
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
+        if batch_invariant is not None:   # None: the models as they are (batch invariant on CPU unless switched off)
+            for module in (target, drafter):
+                if module is not None:
+                    set_batch_invariant(module, batch_invariant)
         if not isinstance(compile, bool):
             raise ValueError(f"compile must be True or False, got {compile!r}")
         if compile:
@@ -167,7 +180,8 @@ class SpecDecoder:
                         dtype: torch.dtype | str = torch.bfloat16, device=None, num_steps: int | str | None = None,
                         topk: int | None = None, num_draft_tokens: int | None = None, nan_policy=None,
                         draft_sampling: str = "auto", compile: bool = False, tree_score_temperature: float = 1.0,
-                        lookup_ngram: int = 0, lookup_tokens: int = 8) -> "SpecDecoder":
+                        lookup_ngram: int = 0, lookup_tokens: int = 8,
+                        batch_invariant: bool | None = None) -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
         Both are local checkpoint directories. ``dtype`` is the verification (and drafting) dtype:
@@ -191,7 +205,7 @@ class SpecDecoder:
         return cls(target, drafter, method=method, num_steps=num_steps, topk=topk,
                    num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
                    compile=compile, tree_score_temperature=tree_score_temperature, lookup_ngram=lookup_ngram,
-                   lookup_tokens=lookup_tokens)
+                   lookup_tokens=lookup_tokens, batch_invariant=batch_invariant)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -205,8 +219,8 @@ class SpecDecoder:
                  faults=(), request_ids=None) -> list[GenerationResult]:
         """Generate for a batch of prompts; every per-request argument is a scalar or a list.
 
-        ``temperature`` 0 is greedy (None: 1.0, no scaling); ``top_k``, ``top_p`` and ``min_p`` as
-        in ``samplers`` (None: off). A request stops at the target checkpoint's EOS ids
+        ``temperature`` 0 is greedy, and so is one whose float32 is 0 (``1e-46``); None is 1.0, no
+        scaling. ``top_k``, ``top_p`` and ``min_p`` as in ``samplers`` (None: off). A request stops at the target checkpoint's EOS ids
         (``generation_config.json``, else ``config.json``: ``target.eos_token_ids``) unless
         ``ignore_eos``, and at its ``stop_token_ids``: an id, a list of ids (shared) or a list of
         such lists (per request), each in [0, vocab); a stop token is kept in the output.

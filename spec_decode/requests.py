@@ -11,7 +11,8 @@ from numbers import Integral
 import torch
 
 from samplers import SamplingParams
-from spec_decode.lookup import ContextLookup
+from samplers._params import shown_value
+from spec_decode.lookup import MAX_LOOKUP_DRAFTS, ContextLookup
 from spec_decode.results import GenerationResult
 from spec_decode.testing.faults import FaultPlan
 
@@ -48,9 +49,8 @@ class _Requests:
         # CPU tensors are range-checked as they are parsed; others need the check_inputs read
         on_device = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in sampling_args.values())
         sampling = SamplingParams.build(B, **sampling_args, device=device, check_inputs=on_device)
-        temperature = sampling_args["temperature"]
-        all_sampled = all(t is None or (isinstance(t, (int, float)) and t > 0)
-                          for t in _per_request("temperature", temperature, B))
+        # the parser's host fact: a temperature whose float32 is 0 (1e-46) is greedy, not sampled
+        all_sampled = sampling.all_sampled
         stops = [ids | frozenset(eos_token_ids) for ids in _stop_ids(stop_token_ids, B, config.vocab_size)]
         return cls(prompts, max_new, sampling, all_sampled, stops,
                    [GenerationResult(r) for r in _request_ids(request_ids, B)])
@@ -193,12 +193,13 @@ def _check_drafter(target, drafter, method, topk):
             raise ValueError(f"draft model vocab_size ({dv}) differs from the target's ({tv})")
     vocab = getattr(drafter, "draft_vocab_size", None) or drafter.config.vocab_size
     if topk > vocab:
-        raise ValueError(f"topk ({topk}) exceeds the drafter's vocabulary ({vocab})")
+        raise ValueError(f"topk ({shown_value(topk)}) exceeds the drafter's vocabulary ({vocab})")
 
 
 def _lookup_budget(lookup_tokens: int, req) -> int:
-    """Lookup drafts a step may verify: no more than the longest request can emit (``max_new_tokens``)."""
-    return min(lookup_tokens, max(req.max_new))
+    """Lookup drafts a step may verify: no more than the longest request can emit (``max_new_tokens``), nor
+    than ``MAX_LOOKUP_DRAFTS``, so that a huge ``lookup_tokens`` never verifies a whole output in one step."""
+    return min(lookup_tokens, max(req.max_new), MAX_LOOKUP_DRAFTS)
 
 
 def _tokens_left(batch, req) -> int:
@@ -240,17 +241,25 @@ def _auto_max_steps(num_draft_tokens) -> int:
     return min(num_draft_tokens - 1, 8)
 
 
-def _check_tree_shape(num_steps, topk, num_draft_tokens, auto: bool = False):
+def _check_tree_shape(num_steps, topk, num_draft_tokens, auto: bool = False, max_positions: int | None = None):
+    """The tree must hold its nodes at its deepest depth (``num_steps``, or under auto ``max_steps``: shallower
+    depths use min(num_draft_tokens, their capacity)) and fit the target's positions (``max_positions``), so
+    that no buffer is sized by nodes no step can draft, and no draft sits past ``max_position_embeddings``."""
     for name, v in (("num_steps", num_steps), ("topk", topk)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             hint = " or 'auto'" if name == "num_steps" else ""
-            raise ValueError(f"{name} must be an int >= 1{hint}, got {v!r}")
+            raise ValueError(f"{name} must be an int >= 1{hint}, got {shown_value(v)}")
+    if max_positions is not None and num_steps >= max_positions:
+        raise ValueError(f"num_steps ({shown_value(num_steps)}) must be below the target's max_position_embeddings "
+                         f"({max_positions}): each step drafts one position further")
     capacity = _tree_capacity(num_steps, topk)
-    if auto:
-        return   # shallower depths use min(num_draft_tokens, their capacity)
+    depth = f"num_steps='auto' (at most {num_steps} steps)" if auto else f"num_steps={num_steps}"
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 2 <= num_draft_tokens <= capacity:
-        raise ValueError(f"num_draft_tokens must be an int in [2, {capacity}] for num_steps={num_steps}, "
-                         f"topk={topk} (root included), got {num_draft_tokens!r}")
+        raise ValueError(f"num_draft_tokens must be an int in [2, {shown_value(capacity)}] for {depth}, "
+                         f"topk={shown_value(topk)} (root included), got {shown_value(num_draft_tokens)}")
+    if max_positions is not None and num_draft_tokens > max_positions:
+        raise ValueError(f"num_draft_tokens ({num_draft_tokens}) exceeds the target's max_position_embeddings "
+                         f"({max_positions})")
 
 
 def _right_pad(prompts, device):

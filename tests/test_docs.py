@@ -161,3 +161,21 @@ def test_reference_pages_hold_no_run_logs():
     assert not stamped, f"time stamps in {stamped}: move the run to docs/results/"
     lines = len((ROOT / "README.md").read_text(encoding="utf-8").splitlines())
     assert lines <= 300, f"README.md has {lines} lines (at most 300): move detail to a reference page"
+
+
+# ---------------------------------------------------------------- issue 51: the docs say what the code does
+def test_bench_page_lists_the_coupled_methods():
+    """``docs/bench.md`` left out the ``*_coupled`` methods that ``--methods`` accepts."""
+    from spec_decode.bench.config import COUPLED_TWINS
+
+    text = (ROOT / "docs" / "bench.md").read_text(encoding="utf-8")
+    missing = [k for twin in COUPLED_TWINS for k in (twin, f"{twin}_coupled") if f"`{k}`" not in text]
+    assert not missing, f"docs/bench.md does not name {missing}"
+
+
+def test_nan_event_sentence_excepts_off():
+    """``docs/spec_decode.md`` said every policy records ``NanEvent``; ``off`` counts nothing and records none
+    (``tests/spec_decode/test_probes_round3.py`` checks the code)."""
+    text = " ".join((ROOT / "docs" / "spec_decode.md").read_text(encoding="utf-8").split())
+    assert "Every policy records" not in text
+    assert "Every policy but `off` records `NanEvent" in text and "`off` counts nothing, so it records none" in text

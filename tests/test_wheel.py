@@ -100,6 +100,7 @@ def test_wheel_contents_and_metadata(wheel):
     for pkg in PACKAGES:
         assert f"{pkg}/py.typed" in names, f"{pkg}/py.typed missing from the wheel"
     assert "spec_decode/cpu/cpu_gemm.c" in names
+    assert "spec_decode/bench/chat_prompts.txt" in names   # the smollm2 suite's chat set
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "LICENSE missing from the wheel"
     assert not any(n.startswith(("tests/", "fixtures/", "docs/", "examples/")) for n in names)
     assert meta["License-Expression"] == "Apache-2.0"

@@ -9,14 +9,19 @@ Rules (the same in every subcommand):
 
 * counts (``--num-prompts``, ``--max-new-tokens``, ``--threads``, ``--batch-size``, ...) are integers >= 1
   (``positive_int``); ``--nan-rounds``, ``--cprofile``, ``--first-prompt``: integers >= 0 (``nonneg_int``);
-* temperatures are finite numbers >= 0 (``nonneg_float``); times are finite and > 0 (``positive_float``):
-  a NaN time limit never ends;
+* temperatures are finite numbers >= 0 (``nonneg_float``), taken as the float32 the library holds them in:
+  one that rounds to 0 there (``1e-46``) is 0, greedy, as in ``generate``; times are finite and > 0
+  (``positive_float``): a NaN time limit never ends;
+* sizes that allocate or run for as long as they say have an upper bound (``at_most``): ``--threads`` at most
+  the machine's CPUs, ``numerics --rows``/``--vocabs``/``--min-run-time`` their module's limits;
 * seeds are integers in [0, 2**63) (``seed``), the library's range;
 * comma lists (``csv_list``) are non-empty, with no empty item and no item twice: ``ar,,eagle_chain`` is a
   typo, not two methods, and a repeated method or dtype would be measured twice under one key;
 * ``--device`` (``device``): ``auto``, ``cpu`` (no index: there is one CPU device) or ``cuda[:N]`` with a
   present ``N``;
-* ``--json`` (``new_file``): a file whose directory exists, checked before the run it would end.
+* ``--json`` (``new_file``): a file whose directory exists, checked before the run it would end;
+* ``--out`` (``out_dir``): a non-empty path (an empty one would write into the working directory); a file
+  the run writes there must not be a directory (``config.check_out_dir``), checked before the run.
 
 This module imports nothing of the benchmark's but ``config`` and ``fixtures``, so that the
 subcommands and ``cli`` can all import it without importing one another.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from pathlib import Path
 
 from spec_decode.bench.config import DTYPE_NAMES, SEED_LIMIT, default_fixtures_dir
@@ -68,11 +74,15 @@ def _finite(text: str, what: str) -> float:
 
 
 def nonneg_float(text: str) -> float:
-    """An argparse type: a finite number >= 0 (a temperature)."""
+    """An argparse type: a finite number >= 0 (a temperature), as the float32 the samplers hold it in: one that
+    rounds to 0 there is 0.0 (greedy, as the library takes it), so ``0,1e-46`` is one temperature twice; one
+    past float32's range (``1e39``) is an error, as the library would raise mid-run."""
+    from samplers._params import float32_value
+
     value = _finite(text, "a finite number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+    if value < 0 or math.isinf(float32_value(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 in float32, got {text!r}")
+    return 0.0 if float32_value(value) == 0 else value
 
 
 def positive_float(text: str) -> float:
@@ -81,6 +91,17 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
+
+
+def at_most(kind, limit, why: str = ""):
+    """An argparse type: a value of ``kind`` (``positive_int``, ``positive_float``...) no larger than ``limit``."""
+    def parse(text: str):
+        value = kind(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"must be at most {limit:g}{why}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def seed(text: str) -> int:
@@ -148,6 +169,13 @@ def device(text: str):
     return dev
 
 
+def out_dir(text: str) -> Path:
+    """An argparse type: an output directory's path, not empty (``Path("")`` is the working directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a directory (. for the working directory)")
+    return Path(text)
+
+
 def new_file(text: str) -> Path:
     """An argparse type: a path to write a file at the end of a run; its directory must exist and it must not
     be a directory, so that a typo fails before the run instead of after it."""
@@ -187,9 +215,12 @@ def add_run_args(p: argparse.ArgumentParser, *, num_prompts: int, max_new_tokens
 
 
 def add_threads_arg(p: argparse.ArgumentParser, default: int | None = None) -> None:
+    """``--threads``: at most the machine's CPUs (more only oversubscribe them, and a thousand threads
+    exhaust the memory of the loaders' own thread pools)."""
     shown = "torch's" if default is None else default
-    p.add_argument("--threads", type=positive_int, default=default,
-                   help=f"torch intra-op threads (default: {shown}); use 1 on a busy machine")
+    cpus = os.cpu_count() or 1
+    p.add_argument("--threads", type=at_most(positive_int, cpus, " (this machine's CPUs)"), default=default,
+                   help=f"torch intra-op threads, 1 to {cpus} (default: {shown}); use 1 on a busy machine")
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:
@@ -199,7 +230,7 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
     """``--dtype``: one of ``config.DTYPE_NAMES`` (argparse's ``choices``: an empty or unknown name is an error)."""
     p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
-                   help="fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA)")
+                   help=f"{', '.join(DTYPE_NAMES)} (default: fp32 on CPU, bf16 on CUDA)")
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-bench compile", description=__doc__.split("\n\n")[0])
     add_input_args(p)
     add_run_args(p, num_prompts=16, max_new_tokens=64)
-    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help="fp32 or bf16 (default fp32)")
+    p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES, help=f"{', '.join(DTYPE_NAMES)} (default fp32)")
     add_threads_arg(p, default=1)
     return p
 

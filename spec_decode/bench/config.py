@@ -12,8 +12,10 @@ from spec_decode.fixtures import find_fixtures_dir, missing_fixtures_hint
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
 COUPLED_TWINS = ("eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eagle3_tree")
 """EAGLE methods that also run as ``KEY_coupled``: the same shape with ``draft_sampling="coupled"``."""
-METHOD_KEYS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
-               "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
+DEFAULT_METHODS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
+                   "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
+"""What ``spec-bench`` runs unless ``--methods`` says otherwise."""
+METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup")
 DTYPE_NAMES = ("fp32", "bf16")
 NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
@@ -34,6 +36,7 @@ class MethodSpec:
     greedy steps that verify drafts copied from the request's context where its last n-gram occurred
     before (``spec_decode.lookup``). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)`` (None: the
     library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
+    ``prompt_lookup_tokens``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF's prompt lookup).
     """
 
     key: str
@@ -46,10 +49,12 @@ class MethodSpec:
     score_temperature: float | None = None
     lookup_ngram: int | None = None
     draft_sampling: str | None = None
+    prompt_lookup_tokens: int | None = None
 
     @property
     def speculative(self) -> bool:
-        return self.engine == "ours" and self.method != "none"
+        """Whether our decoder verifies drafts: a drafter's, or prompt lookup's."""
+        return self.engine == "ours" and (self.method != "none" or bool(self.lookup_ngram))
 
     def describe(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "key"}
@@ -72,6 +77,11 @@ METHOD_SPECS = {
     # last 3 tokens occurred before in its context (prompt lookup; 8 drafts a step at most)
     "eagle_lookup": MethodSpec("eagle_lookup", "ours", "eagle", "eagle", 5, 1, 6, lookup_ngram=3),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8, score_temperature=0.5),
+    # prompt lookup alone (no drafter): greedy steps verify up to 8 tokens copied from where the last
+    # 3 tokens occurred before in the context; sampled requests decode one token a step
+    "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),
+    # HF's prompt lookup with the value its docs show (10 candidate tokens); it samples too
+    "hf_lookup": MethodSpec("hf_lookup", "hf", prompt_lookup_tokens=10),
 }
 METHOD_SPECS.update({f"{k}_coupled": replace(METHOD_SPECS[k], key=f"{k}_coupled", draft_sampling="coupled")
                      for k in COUPLED_TWINS})
@@ -108,19 +118,40 @@ def check_room(max_new_tokens: int, positions: int, prompts, option: str = "--ma
                               f"({positions}){fits}")
 
 
+def check_checkpoint_dir(option: str, path) -> None:
+    """BenchInputError naming ``option`` when ``path`` is not a directory, with how to point at the fixtures
+    (``$SAFESPEC_FIXTURES_DIR`` named when it is set): the default paths come from it."""
+    if not Path(path).is_dir():
+        raise BenchInputError(f"{option}: no checkpoint directory at {path}{missing_fixtures_hint()}")
+
+
+def check_prompts_file(path) -> None:
+    """BenchInputError naming ``--prompts`` when ``path`` is missing (with the fixtures hint) or is not a
+    regular file (a directory, ``/dev/null``)."""
+    if not Path(path).exists():
+        raise BenchInputError(f"--prompts: no file at {path}{missing_fixtures_hint()}")
+    if not Path(path).is_file():
+        raise BenchInputError(f"--prompts: {path} is not a regular file; give a JSONL file with 'token_ids' per line")
+
+
 def default_fixtures_dir() -> Path:
     """The shipped fixtures (``spec_decode.fixtures.find_fixtures_dir``), else ``./fixtures`` so that errors name it."""
     return find_fixtures_dir() or Path("fixtures")
 
 
-def check_out_dir(path: Path, option: str = "--out") -> Path:
+def check_out_dir(path: Path, option: str = "--out", outputs: tuple[str, ...] = ()) -> Path:
     """Create the output directory ``path`` and check that a file can be written there.
 
-    Raises BenchInputError naming ``option`` when ``path`` is a file, lies under one, or is not writable.
+    Raises BenchInputError naming ``option`` when ``path`` is a file, lies under one, or is not writable, or
+    when one of the files the run writes there (``outputs``, and the ``.tmp`` each is written through first)
+    is a directory: found before the run, not after it.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise BenchInputError(f"{option} {path}: is a file, not a directory")
+    taken = [name for out in outputs for name in (out, out + ".tmp") if (path / name).is_dir()]
+    if taken:
+        raise BenchInputError(f"{option} {path}: {path / taken[0]} is a directory; the run writes a file there")
     try:
         path.mkdir(parents=True, exist_ok=True)
         # os.access says yes to root even on a read-only mount: write a file to know.
@@ -147,7 +178,7 @@ class BenchConfig:
     eagle3: Path | None
     prompts: Path
     out: Path = Path("bench_out")
-    methods: tuple[str, ...] = METHOD_KEYS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     num_prompts: int = DEFAULT_NUM_PROMPTS
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -186,10 +217,8 @@ class BenchConfig:
         bad = [d for d in self.dtypes if d not in DTYPE_NAMES]
         if bad or not self.dtypes:
             raise ValueError(f"--dtype must be a comma list of {DTYPE_NAMES}, got {list(self.dtypes)}")
-        if not Path(self.target).is_dir():
-            raise ValueError(f"--target: no checkpoint directory at {self.target}{missing_fixtures_hint()}")
-        if not Path(self.prompts).is_file():
-            raise ValueError(f"--prompts: no file at {self.prompts}{missing_fixtures_hint()}")
+        check_checkpoint_dir("--target", self.target)
+        check_prompts_file(self.prompts)
         try:
             with open(self.prompts, encoding="utf-8") as f:
                 available = sum(1 for line in f if line.strip())
@@ -227,8 +256,7 @@ def load_prompts(path: Path, n: int, vocab_size: int, first: int = 0) -> list[li
     the line when a line lacks ``token_ids`` or an id lies outside ``[0, vocab_size)``, and naming
     ``--num-prompts`` when the file holds fewer than ``first + n`` prompts.
     """
-    if not Path(path).is_file():
-        raise BenchInputError(f"--prompts: no file at {path}{missing_fixtures_hint()}")
+    check_prompts_file(path)
     prompts = []
     skip = first
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=nonneg_int, default=8, help="prompts of the end-to-end part (0 skips it)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
-                   help="fp32 or bf16: the models' dtype in the end-to-end part")
+                   help=f"{', '.join(DTYPE_NAMES)}: the models' dtype in the end-to-end part")
     return p
 
 

@@ -96,6 +96,8 @@ class HFRunner:
             if temperature > 0:
                 torch.manual_seed(fit_seed(seed * 1009 + i))
             extra = {} if self.assistant is None else {"assistant_model": self.assistant}
+            if self.spec.prompt_lookup_tokens:
+                extra["prompt_lookup_num_tokens"] = self.spec.prompt_lookup_tokens
             with torch.inference_mode(), Stopwatch(device) as sw:
                 seq = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                           eos_token_id=None, pad_token_id=0, **sampling, **extra)

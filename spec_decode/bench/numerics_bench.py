@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from spec_decode.bench.args import add_threads_arg, csv_list, nonneg_int, positive_float, positive_int
+from spec_decode.bench.args import add_threads_arg, at_most, csv_list, nonneg_int, out_dir, positive_float, positive_int
 from spec_decode.bench.config import BenchInputError, check_out_dir
 from spec_decode.dtypes import DTYPES as ALL_DTYPES
 
@@ -43,6 +43,11 @@ DEFAULT_VOCABS = (32000, 151936)
 FULL_VOCABS = (32000, 128256, 151936)
 DEFAULT_ROWS = (8, 64)          # B = 1, 8
 FULL_ROWS = (8, 64, 256)        # B = 1, 8, 32
+MAX_CASE_ENTRIES = 1 << 28
+"""The most entries (rows x vocab) of one case's logits: a case holds the logits, a copy and their float32
+source at once, so this bounds its memory to a few GiB; past it the allocator fails mid-run."""
+MAX_MIN_RUN_TIME = 60.0
+"""The most seconds ``--min-run-time`` may ask per implementation: each case times five or more."""
 DTYPES = {name: ALL_DTYPES[name] for name in ("bf16", "fp32")}   # the dtypes this micro-benchmark runs
 
 
@@ -170,19 +175,20 @@ def bench_case(device: torch.device, dtype_name: str, rows: int, vocab: int, min
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-bench numerics",
                                 description="Sanitize-and-count micro-benchmark on verify-shaped logits.")
-    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
+    p.add_argument("--out", type=out_dir, default=Path("bench_out"), help="output directory (default ./bench_out)")
     p.add_argument("--full", action="store_true",
                    help=f"rows {FULL_ROWS} x vocab {FULL_VOCABS} (default rows {DEFAULT_ROWS} x vocab {DEFAULT_VOCABS})")
     p.add_argument("--rows", type=csv_list(positive_int), default=None,
-                   help="comma list of row counts (multiples of 8), overrides --full")
+                   help=f"comma list of row counts (multiples of 8), overrides --full; rows x vocab at most "
+                        f"{MAX_CASE_ENTRIES}")
     p.add_argument("--vocabs", type=csv_list(positive_int), default=None,
                    help="comma list of vocab sizes, overrides --full")
     p.add_argument("--dtypes", type=csv_list(choices=tuple(DTYPES)), default="bf16,fp32",
                    help="comma list of bf16,fp32")
     p.add_argument("--device", default="all", choices=("all", "cpu", "cuda"),
                    help="all (CPU, plus CUDA when present), cpu or cuda")
-    p.add_argument("--min-run-time", type=positive_float, default=0.2,
-                   help="seconds of timing per implementation (finite, > 0)")
+    p.add_argument("--min-run-time", type=at_most(positive_float, MAX_MIN_RUN_TIME, " seconds"), default=0.2,
+                   help=f"seconds of timing per implementation (> 0, at most {MAX_MIN_RUN_TIME:g})")
     add_threads_arg(p)
     p.add_argument("--nan-every", type=nonneg_int, default=0,
                    help="0 (default): clean logits. k >= 1: a NaN in every k-th row, counts-only impls")
@@ -211,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(r % ROWS_PER_REQUEST for r in rows_list):
         parser.error(f"--rows: each value must be a multiple of {ROWS_PER_REQUEST} (rows per request)")
     vocabs = args.vocabs or (FULL_VOCABS if args.full else DEFAULT_VOCABS)
+    if max(rows_list) * max(vocabs) > MAX_CASE_ENTRIES:
+        parser.error(f"--rows {max(rows_list)} x --vocabs {max(vocabs)}: a case of more than {MAX_CASE_ENTRIES} "
+                     "logits would not fit in memory")
     dtypes = args.dtypes
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     try:
-        out_dir = check_out_dir(args.out)
+        out_path = check_out_dir(args.out, outputs=("numerics.json",))
     except BenchInputError as e:
         parser.error(str(e))
     devices = [torch.device("cpu")] if args.device in ("all", "cpu") else []
@@ -237,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                       "bytes": "numel * itemsize (one read)", "fraction_of_copy": "copy time / impl time",
                       "vs_nan_only": "impl time / nan_only_torch time"},
            "results": records}
-    with open(out_dir / "numerics.json", "w") as f:
+    with open(out_path / "numerics.json", "w") as f:
         json.dump(out, f, indent=2)
     print(markdown_table(records))
-    print(f"wrote {out_dir / 'numerics.json'}")
+    print(f"wrote {out_path / 'numerics.json'}")
     return 0
 
 

@@ -28,13 +28,14 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import time
 from contextlib import contextmanager
 
 import torch
 
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_dtype_arg, add_input_args, add_run_args,
-                                    add_threads_arg, input_paths, new_file, nonneg_float, nonneg_int)
+                                    add_threads_arg, input_paths, new_file, nonneg_float, nonneg_int, positive_int)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, METHOD_SPECS, BenchConfig, BenchInputError,
                                       default_dtype_name, load_prompts)
 from spec_decode.bench.machine import sync, torch_threads
@@ -333,8 +334,34 @@ def cprofile_top(decoder, prompts: list[list[int]], max_new_tokens: int, top: in
     return buf.getvalue()
 
 
+def verify_cost(target, prompts: list[list[int]], block_tokens: int, repeats: int = 5) -> dict:
+    """What one ``block_tokens``-token verify forward costs in one-token steps: the regime a drafter
+    must exploit (a weight-bound model verifies a block for about the price of one token).
+
+    Per prompt: the prompt is prefilled and committed, then a 1-token and a ``block_tokens``-token forward
+    at the next position alternate ``repeats`` times (a forward writes its rows but commits none, so each
+    call does the same work). Returns the median 1-token ms, the median block ms and their ratio.
+    """
+    one, block = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            cache = target.new_cache(1, len(prompt) + block_tokens)
+            target(torch.tensor([prompt]), cache, return_logits=False)
+            cache.commit(torch.tensor([len(prompt)]))
+            ids = torch.tensor([(prompt * block_tokens)[:block_tokens]])
+            for _ in range(repeats):
+                for n, times in ((1, one), (block_tokens, block)):
+                    start = time.perf_counter()
+                    target(ids[:, :n], cache)
+                    sync(target.device)
+                    times.append(time.perf_counter() - start)
+    one_ms, block_ms = statistics.median(one) * 1e3, statistics.median(block) * 1e3
+    return {"block_tokens": block_tokens, "one_token_ms": one_ms, "block_ms": block_ms,
+            "block_ar_steps": block_ms / one_ms, "calls": len(one) + len(block)}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ours = [k for k, s in METHOD_SPECS.items() if s.speculative]
+    ours = [k for k, s in METHOD_SPECS.items() if s.speculative and s.drafter]
     p = argparse.ArgumentParser(prog="spec-bench profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="eagle_chain", help=f"one of {','.join(ours)} (default eagle_chain)")
     add_input_args(p)
@@ -343,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_arg(p)
     add_threads_arg(p)
     add_device_arg(p)
+    p.add_argument("--verify-tokens", type=positive_int, default=None, metavar="N",
+                   help="instead of a method's split: the cost of one N-token verify forward of the target in "
+                        "one-token steps (--method is then not used)")
+    p.add_argument("--suite", choices=("smollm2",), default=None,
+                   help="smollm2: the real model's cached target and its chat prompts instead of --target and "
+                        "--prompts")
     p.add_argument("--cprofile", type=nonneg_int, default=0, metavar="N",
                    help="also print the top N functions by own time, from a separate cProfile pass (0: none)")
     p.add_argument("--json", type=new_file, default=None,
@@ -358,8 +391,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = build_parser()
     args = p.parse_args(argv)
+    if args.suite == "smollm2":
+        _use_smollm2(p, args)
+    if args.verify_tokens is not None:
+        return _verify_cost_main(p, args)
     spec = METHOD_SPECS.get(args.method)
-    if spec is None or not spec.speculative:
+    if spec is None or not spec.speculative or not spec.drafter:
         p.error(f"--method: expected one of our speculative methods, got {args.method!r}")
     try:
         device = args.device
@@ -385,10 +422,53 @@ def main(argv: list[str] | None = None) -> int:
                  f"{torch.get_num_threads()} thread(s)")
         print(format_split(title, split))
         if args.json is not None:
-            args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": dtype,
-                                             "temperature": args.temperature, "num_prompts": len(prompts),
-                                             "max_new_tokens": args.max_new_tokens, **split}, indent=2))
+            try:   # a full disk or /dev/full is known only on writing; the split is printed above
+                args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": dtype,
+                                                 "temperature": args.temperature, "num_prompts": len(prompts),
+                                                 "max_new_tokens": args.max_new_tokens, **split}, indent=2))
+            except OSError as e:
+                p.error(f"--json {args.json}: cannot write it ({e.strerror or e})")
         if args.cprofile > 0:
             print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile,
                                temperature=args.temperature, seed=cfg.seed))
     return 0
+
+
+def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--verify-tokens N``: ``verify_cost`` over the prompts, printed (and written to ``--json``)."""
+    from spec_decode.bench.methods import ModelCache
+    from spec_decode.bench.run import check_inputs
+
+    try:
+        device = args.device
+        dtype = args.dtype or default_dtype_name(device.type)
+        cfg = BenchConfig(**input_paths(args), methods=("ar",), num_prompts=args.num_prompts,
+                          max_new_tokens=args.verify_tokens, dtypes=(dtype,), threads=args.threads,
+                          device=str(device), nan_rounds=0)
+        vocab = check_inputs(cfg, ("ar",))
+        prompts = load_prompts(cfg.prompts, cfg.num_prompts, vocab)[:cfg.num_prompts]
+        target = ModelCache(cfg, dtype, device).get("target")
+    except ValueError as e:
+        p.error(str(e))
+    with torch_threads(cfg.threads):
+        verify_cost(target, prompts[:1], args.verify_tokens, repeats=1)   # warm-up
+        cost = verify_cost(target, prompts, args.verify_tokens)
+        threads = torch.get_num_threads()
+    print(f"{cfg.target.name}, {dtype}, {threads} thread(s), {len(prompts)} prompts: one "
+          f"{args.verify_tokens}-token verify forward {cost['block_ms']:.2f} ms = {cost['block_ar_steps']:.3f} "
+          f"one-token steps ({cost['one_token_ms']:.2f} ms)")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"target": str(cfg.target), "dtype": dtype, **cost}, indent=2))
+    return 0
+
+
+def _use_smollm2(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--suite smollm2``: point ``--target`` and ``--prompts`` at the real model and its chat set."""
+    from spec_decode.bench.prompt_sets import prompt_set_file
+    from spec_decode.fixtures import cache_dir, smollm2_target_dir
+
+    try:
+        args.target = smollm2_target_dir()
+        args.prompts = prompt_set_file("chat", args.target, cache_dir() / "smollm2-prompts")
+    except ImportError as e:
+        p.error(f"--suite smollm2: {e}")

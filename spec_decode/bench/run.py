@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from spec_decode.bench.config import (DRAFTER_OPTIONS, METHOD_SPECS, NAN_MODES, BenchConfig, BenchInputError,
-                                      check_out_dir, check_room, fit_seed, load_prompts)
+                                      check_checkpoint_dir, check_out_dir, check_room, fit_seed, load_prompts)
 from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync, weight_bytes
 from spec_decode.bench.methods import DRAFTER_METHODS, ModelCache, checked_load
 
@@ -48,7 +48,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     """
     from tqdm.auto import tqdm
 
-    out = check_out_dir(cfg.out)
+    out = check_out_dir(cfg.out, outputs=("results.json", "results.png"))
     device = torch.device(cfg.device)
     keys = cfg.resolve_methods()
     if not keys:
@@ -122,7 +122,9 @@ def check_models(target, drafters: dict):
     from spec_decode.models import ModelConfig
 
     def check(option: str, path, read_keys=read_key_names):
-        config = checked_load(option, path, lambda: ModelConfig.from_pretrained(path))
+        check_checkpoint_dir(option, path)   # a missing default names $SAFESPEC_FIXTURES_DIR, not a download
+        # a drafter's config names its head class in architectures: only the target's is checked there
+        config = checked_load(option, path, lambda: ModelConfig.from_pretrained(path, drafter=option != "--target"))
         return config, checked_load(option, path, lambda: read_keys(path))
 
     config = check("--target", target)[0]

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_input_args, add_run_args, add_threads_arg,
-                                    csv_list, input_paths, missing_bench_extra, nonneg_float, nonneg_int, positive_int,
-                                    seed)
-from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DTYPE_NAMES, METHOD_KEYS,
-                                      BenchConfig, BenchInputError, default_dtype_name)
+                                    csv_list, input_paths, missing_bench_extra, nonneg_float, nonneg_int, out_dir,
+                                    positive_int, seed)
+from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHODS, DEFAULT_NUM_PROMPTS, DTYPE_NAMES,
+                                      METHOD_KEYS, BenchConfig, BenchInputError, default_dtype_name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,12 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "generating exactly --max-new-tokens tokens per prompt (ignoring EOS); "
                     "measure the cost of NaN safety. Subcommands: 'spec-bench numerics -h', "
                     "'spec-bench gpu-check -h', 'spec-bench profile -h', 'spec-bench tune -h', "
-                    "'spec-bench compile -h', 'spec-bench gemm -h'.")
+                    "'spec-bench compile -h', 'spec-bench gemm -h'. A real model: 'spec-bench --suite smollm2 -h'.")
     add_input_args(p)
     add_run_args(p, num_prompts=DEFAULT_NUM_PROMPTS, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--methods", type=csv_list(choices=METHOD_KEYS), default=METHOD_KEYS,
-                   help=f"comma list of {','.join(METHOD_KEYS)}")
-    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
+    extra = ",".join(k for k in METHOD_KEYS if k not in DEFAULT_METHODS)
+    p.add_argument("--methods", type=csv_list(choices=METHOD_KEYS), default=DEFAULT_METHODS,
+                   help=f"comma list of {','.join(METHOD_KEYS)} (default: all but {extra})")
+    p.add_argument("--out", type=out_dir, default=Path("bench_out"), help="output directory (default ./bench_out)")
     p.add_argument("--dtype", type=csv_list(choices=DTYPE_NAMES), default=None,
                    help="comma list of fp32,bf16; the first is the headline (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0),
@@ -88,6 +89,10 @@ def _busy(threads: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """The end-to-end benchmark (``spec-bench`` without a subcommand); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--suite" or a.startswith("--suite=") for a in argv):
+        from spec_decode.bench import suites
+
+        return suites.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from spec_decode.bench.args import (add_device_arg, add_dtype_arg, add_input_args, add_run_args, add_threads_arg,
-                                    csv_list, input_paths, nonneg_float, nonneg_int, seed)
+                                    csv_list, input_paths, nonneg_float, nonneg_int, out_dir, seed)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, METHOD_SPECS, BenchConfig,
                                       BenchInputError, MethodSpec, check_out_dir, default_dtype_name, fit_seed,
                                       load_prompts)
@@ -70,7 +70,7 @@ def is_chain(shape: tuple) -> bool:
 
 
 def _parse_shape(item: str) -> tuple:
-    triple, _, temp = item.partition("@")
+    triple, at, temp = item.partition("@")
     try:
         shape = tuple(int(p) for p in triple.split("/"))
     except ValueError:
@@ -78,6 +78,8 @@ def _parse_shape(item: str) -> tuple:
     if len(shape) != 3:
         raise argparse.ArgumentTypeError(f"expected num_steps/topk/num_draft_tokens triples like 5/4/8 (or "
                                          f"6/2/8@0.5 with a tree score temperature), got {item!r}")
+    if at and not temp.strip():
+        raise argparse.ArgumentTypeError(f"{item!r}: no score temperature after @; give one (6/2/8@0.5) or drop the @")
     if not temp:
         return shape
     try:
@@ -130,7 +132,7 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
     from spec_decode.bench.run import (add_speedups, check_inputs, measure_interleaved, summarize_calls, temp_key,
                                        write_results)
 
-    out = check_out_dir(cfg.out)
+    out = check_out_dir(cfg.out, outputs=("tune.json", "tune.png"))
     device = torch.device(cfg.device)
     drafter, base = DRAFTERS[method], base_method_key(method)
     if cfg.resolve_methods() != ("ar", base):
@@ -216,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed, default=0, help="an integer in [0, 2**63) (default 0)")
     add_threads_arg(p)
     add_device_arg(p)
-    p.add_argument("--out", type=Path, default=Path("bench_out"), help="output directory (default ./bench_out)")
+    p.add_argument("--out", type=out_dir, default=Path("bench_out"), help="output directory (default ./bench_out)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 

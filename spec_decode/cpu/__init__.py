@@ -1,4 +1,5 @@
-"""The CPU backend: ``Linear``'s inference routes, the checks that pick them, and the AVX2 panel kernel.
+"""The CPU backend: ``Linear``'s inference routes, the checks that pick them, the AVX2 panel kernel, and
+the batch-invariant attention kernel (``spec_decode.cpu.attention``).
 
 ``spec_decode.models`` builds every projection from ``Linear`` and calls nothing else here: that is
 the one seam. ``set_packed_linears``/``set_panel_linears`` switch the routes of a built model.

@@ -1,4 +1,5 @@
-/* Small-batch float32 projections for AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]).
+/* Small-batch float32 projections for AVX2 CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ b[N]); and, at the
+ * end of the file, the batch-invariant attention (safespec_attention).
  *
  * Built and loaded by spec_decode/cpu/cpu_gemm.py (see its docstring for why and when it is used).
  *
@@ -14,6 +15,7 @@
  * it only on a CPU that has both.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -161,5 +163,155 @@ __attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K,
     }
     free(xf);
     free(yf);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Batch-invariant attention (spec_decode/cpu/attention.py): each query row alone, in one fixed order.
+ *
+ * For query row r of (batch b, kv head h), the keys s it may see (mask[b, r, s]) are taken in
+ * ascending s, and only those: a masked key costs nothing and changes nothing, so neither the padded
+ * key count S nor the other rows of the block can change a row's bits. For each visible key:
+ *   score = dot(q * scale, k_s): 8 lanes, lane l accumulating d = l, l + 8, ... by FMA, the lanes
+ *           summed ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then d past the last whole
+ *           8 by FMA in d order;
+ *   p_s   = exp_ps(score - max over the visible scores) (exp_ps below: the same arithmetic in every lane);
+ *   den   = p_s summed in key order, one accumulator; acc[d] = fma(p_s, v_s[d], acc[d]) in key order;
+ *   out   = acc / den.
+ * Key order is the order of cache rows, which on a draft tree's path is its logical order (a node's
+ * ancestors sit before it, one per depth), so a path gets the bits of the same tokens decoded one at
+ * a time. NaN in a visible key or value reaches the row (the max skips it, exp and the sums carry it);
+ * a masked one never does. All arithmetic is explicit (the file builds with -ffp-contract=off), so
+ * reference_attention (attention.py) reproduces it bit for bit in torch.
+ */
+
+/* 8 float32 values from element i of a float32 or (BF) bf16 array, widened exactly. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
+load8(const void *p, size_t i, const int BF) {
+    if (BF) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float load1(const void *p, size_t i, const int BF) {
+    return BF ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* exp of 8 float32 values, Cephes' expf: x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) with P of degree 5, times
+ * 2^n; inputs below -88.38 give 0 or a tiny value, NaN stays NaN. Multiplies and adds are separate
+ * operations, so reference_exp (attention.py) repeats them one torch op at a time. */
+__attribute__((target("avx2,fma"))) static inline __m256 exp_ps(__m256 x) {
+    const __m256 nan_mask = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    const __m256 x_in = x;
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, z), x);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+    return _mm256_blendv_ps(y, x_in, nan_mask);
+}
+
+/* dot(qs, k row) in the lane order above; qs is float32, the key float32 or (BF) bf16. */
+__attribute__((target("avx2,fma"))) static inline float dot_row(const float *qs, const void *k, size_t k0, int D,
+                                                              const int BF) {
+    __m256 a = _mm256_setzero_ps();
+    int d = 0;
+    for (; d + 8 <= D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + d), load8(k, k0 + d, BF), a);
+    float l[8];
+    _mm256_storeu_ps(l, a);
+    float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+    for (; d < D; d++) s = __builtin_fmaf(qs[d], load1(k, k0 + d, BF), s);
+    return s;
+}
+
+/* acc[0:D] = fma(p, v row, acc), lane by lane (the tail by fmaf: the same operation). */
+__attribute__((target("avx2,fma"))) static inline void axpy_row(float *acc, float p, const void *v, size_t v0,
+                                                              int D, const int BF) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v, v0 + d, BF), _mm256_loadu_ps(acc + d)));
+    for (; d < D; d++) acc[d] = __builtin_fmaf(p, load1(v, v0 + d, BF), acc[d]);
+}
+
+/* One query row: qs [D] float32 (already scaled), keys/values at k0/v0 + s * D, mask [S] (1 byte each). */
+__attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const float *qs, const void *k,
+                                                         const void *v, size_t kv0, int kv_bf16,
+                                                         const uint8_t *mask, int *idx, float *p, float *acc) {
+    int n = 0;
+    for (int s = 0; s < S; s++)
+        if (mask[s]) idx[n++] = s;
+    float m = -INFINITY;
+    for (int i = 0; i < n; i++) {
+        p[i] = kv_bf16 ? dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 1) : dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 0);
+        if (p[i] > m) m = p[i];
+    }
+    int i = 0;
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv)));
+    if (i < n) {   /* the tail through the same vector code: a key's bits never depend on its lane */
+        float t[8] = {0};
+        memcpy(t, p + i, sizeof(float) * (size_t)(n - i));
+        _mm256_storeu_ps(t, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(t), mv)));
+        memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
+    }
+    float den = 0.0f;
+    for (int j = 0; j < D; j++) acc[j] = 0.0f;
+    for (int j = 0; j < n; j++) {
+        den += p[j];
+        if (kv_bf16) axpy_row(acc, p[j], v, kv0 + (size_t)idx[j] * D, D, 1);
+        else axpy_row(acc, p[j], v, kv0 + (size_t)idx[j] * D, D, 0);
+    }
+    for (int j = 0; j < D; j++) acc[j] = acc[j] / den;
+}
+
+/* q: [B, H, R, D] at element strides (q_sb, q_sh, q_sr), float32 or (q_bf16) bf16; k, v: [B, H, >= S, D]
+ * at strides (kv_sb, kv_sh, D), float32 or (kv_bf16) bf16; mask: [B, R, S] bytes at strides (m_sb, m_sr,
+ * 1); out: [B, H, R, D] contiguous, float32 or (out_bf16) bf16. Returns 0, or -1 when out of memory. */
+__attribute__((target("avx2,fma"))) int safespec_attention(int B, int H, int R, int S, int D, const void *q, int q_bf16,
+                                                          int64_t q_sb, int64_t q_sh, int64_t q_sr, const void *k,
+                                                          const void *v, int kv_bf16, int64_t kv_sb, int64_t kv_sh,
+                                                          const uint8_t *mask, int64_t m_sb, int64_t m_sr,
+                                                          float scale, void *out, int out_bf16) {
+    int *idx = malloc(sizeof(int) * (size_t)(S > 0 ? S : 1));
+    float *p = malloc(sizeof(float) * (size_t)(S > 0 ? S : 1));
+    float *qs = malloc(sizeof(float) * (size_t)(D > 0 ? D : 1) * 2);
+    if (!idx || !p || !qs) {
+        free(idx);
+        free(p);
+        free(qs);
+        return -1;
+    }
+    float *acc = qs + D;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < H; h++)
+            for (int r = 0; r < R; r++) {
+                size_t q0 = (size_t)(b * q_sb + h * q_sh + r * q_sr);
+                for (int d = 0; d < D; d++) qs[d] = load1(q, q0 + d, q_bf16) * scale;
+                attend_row(S, D, qs, k, v, (size_t)(b * kv_sb + h * kv_sh), kv_bf16, mask + b * m_sb + r * m_sr,
+                           idx, p, acc);
+                size_t o0 = (((size_t)b * H + h) * R + r) * D;
+                if (out_bf16)
+                    for (int d = 0; d < D; d++) ((uint16_t *)out)[o0 + d] = f32_to_bf16(acc[d]);
+                else
+                    memcpy((float *)out + o0, acc, sizeof(float) * (size_t)D);
+            }
+    free(idx);
+    free(p);
+    free(qs);
     return 0;
 }

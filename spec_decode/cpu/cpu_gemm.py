@@ -3,8 +3,11 @@
 Why: on AVX2 CPUs MKL's sgemm runs the shipped models' projections over a few rows far below what
 the core can do, and every verify forward is made of such. ``PanelWeight`` streams the weight once
 per block of up to six rows (``docs/performance.md`` has the figures; ``spec-bench gemm`` measures
-them). ``Linear`` (``spec_decode.cpu``) uses it for float32 math on AVX2 CPUs, up to
-``max_rows(torch.get_num_threads())`` rows, through ``PanelWeight``.
+them). ``Linear`` (``spec_decode.cpu``) uses it, through ``PanelWeight``, at every row count on AVX2
+and AVX-512 CPUs under ``batch_invariant`` (the CPU default: its k order is what makes a row's bits
+independent of the batch), and otherwise for float32 math on AVX2 CPUs up to
+``max_rows(torch.get_num_threads())`` rows. The same library holds the batch-invariant attention
+kernel (``spec_decode.cpu.attention``).
 
 The weight is packed once into panels of ``PANEL`` output columns, ``[ceil(N / 16), K, 16]``, zero
 padded, in its own dtype: a bf16 weight stays bf16 in the panels (half the bytes to stream; a layer
@@ -50,7 +53,9 @@ MAX_ROWS_THREADED = 16
 _DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and returns), weights and inputs alike
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
-_CFLAGS = ("-O3", "-shared", "-fPIC")
+# -ffp-contract=off: every multiply and add stays the operation the source writes (no fused pairs the
+# compiler chooses), so the torch references reproduce the kernels bit for bit
+_CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")
 _BUILD_TIMEOUT_S = 120
 _KEEP_BUILDS = 4    # builds kept in the cache directory (one per source and compiler); older ones are pruned
 
@@ -178,6 +183,7 @@ _OVERFLOW_THRESHOLD = (2 - 2 ** -24) * 2.0 ** 127   # float32 max + half an ulp:
 class _Kernels:
     fp32: ctypes._CFuncPtr   # safespec_panel_linear
     bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
+    attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
 
 
 @functools.cache
@@ -187,7 +193,7 @@ def _kernel() -> _Kernels | None:
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
-        fp32, bf16 = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16
+        fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
@@ -195,7 +201,12 @@ def _kernel() -> _Kernels | None:
     fp32.restype, bf16.restype = None, ctypes.c_int
     # (M, K, N, x, panels, panels_bf16, bias, y)
     fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
-    return _Kernels(fp32, bf16)
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    attention.restype = ctypes.c_int
+    # (B, H, R, S, D, q, q_bf16, q strides x3, k, v, kv_bf16, kv strides x2, mask, mask strides x2, scale, out, out_bf16)
+    attention.argtypes = ([i32] * 5 + [ptr, i32, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, i64, ctypes.c_float,
+                                        ptr, i32])
+    return _Kernels(fp32, bf16, attention)
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -11,7 +13,7 @@ from spec_decode.cpu.capability import (bf16_runs_as_fp32, fp32_packs, onednn_bf
                                         panel_gemm_pays)
 
 
-_PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32 = "plain", "bf16 packed", "bf16 as fp32", "fp32"
+_PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32, _INVARIANT = "plain", "bf16 packed", "bf16 as fp32", "fp32", "invariant"
 """The routes of ``Linear.forward`` (see its docstring)."""
 
 
@@ -20,6 +22,14 @@ class Linear(nn.Linear):
 
     Routes, in order of precedence (figures and the commands that measure them: ``docs/performance.md``):
 
+    * **batch invariant** (``batch_invariant`` not False, the default; fp32 and bf16 wherever
+      ``cpu_gemm.available()``, AVX2 and AVX-512 alike): ``cpu_gemm.PanelWeight`` at every row count.
+      Each output is one chain of float32 FMAs in k order (bf16 widens exactly, one rounding at the
+      end), so a row's bits depend neither on the row count nor on the other rows: the same alone,
+      in a verify block, in a batch or in a prefill, on one torch thread or more. Where the kernel
+      cannot run, one warning says so and the routes below serve. ``batch_invariant=False``
+      (``spec_decode.models.set_batch_invariant``) gives the fastest routes below; ``panel=False``
+      (``set_panel_linears``) turns this route off too.
     * **bf16 on a CPU where oneDNN runs bf16** (``onednn_bf16_native``): every projection uses its
       weight packed once for oneDNN (``F.linear`` lays it out again on every call). Bit-identical to
       ``F.linear`` (tested over shapes, batch sizes and biases).
@@ -42,6 +52,7 @@ class Linear(nn.Linear):
     """
 
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
+    batch_invariant: bool | None = None   # None or True: the batch-invariant route where it runs; False: never
     panel: bool | None = None    # None: the panel kernel where it runs (``panel_gemm_pays``); False: never
     panel_dtype: torch.dtype | None = None   # the panels' dtype: None the weight's; float32 for bf16 weights too
 
@@ -57,8 +68,12 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             return F.linear(x, w, b)
         route = self._route_by_dtype.get((x.dtype, w.dtype)) or self._route(x.dtype, w.dtype)
-        if (route is _PLAIN or self.packed is False or torch.is_grad_enabled() or not x.is_cpu or w.is_inference()
+        if (route is _PLAIN or torch.is_grad_enabled() or not x.is_cpu or w.is_inference()
                 or torch.is_autocast_enabled("cpu")):
+            return F.linear(x, w, b)
+        if route is _INVARIANT:   # any row count: the kernel's k order is what makes a row batch invariant
+            return self._panel_weight(w, b)(x)
+        if self.packed is False:
             return F.linear(x, w, b)
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
@@ -75,6 +90,14 @@ class Linear(nn.Linear):
     def _route(self, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
         """Which path a CPU inference call with these dtypes takes (see the class docstring); cached."""
         route = _PLAIN
+        if (self.batch_invariant is not False and self.panel is not False and x_dtype is w_dtype
+                and x_dtype in (torch.float32, torch.bfloat16)):
+            if cpu_gemm.available():
+                self._route_by_dtype[(x_dtype, w_dtype)] = _INVARIANT
+                return _INVARIANT
+            warnings.warn("safespec: batch-invariant projections need the panel kernel (spec_decode.cpu.cpu_gemm), "
+                          "which cannot run here; torch's routes serve, so a row's bits may depend on the row "
+                          "count", RuntimeWarning, stacklevel=3)
         if x_dtype is torch.bfloat16 and w_dtype is torch.bfloat16:
             if self.packed is None and bf16_runs_as_fp32():
                 route = _BF16_AS_FP32
@@ -145,10 +168,10 @@ def set_packed_linears(module: nn.Module, on: bool | None) -> None:
 
 
 def set_panel_linears(module: nn.Module, on: bool | None, *, panel_dtype: torch.dtype | None = None) -> None:
-    """Switch the panel kernel (``cpu_gemm``) in every linear of ``module``: None where it runs, False never
-    (the other CPU paths stay as ``set_packed_linears`` left them). ``panel_dtype``: None packs each weight
-    in its own dtype; ``torch.float32`` packs bf16 weights in float32 too (the same bits from twice the
-    bytes: ``spec-bench gemm``'s comparison)."""
+    """Switch the panel kernel (``cpu_gemm``) in every linear of ``module``: None where it runs, False never,
+    the batch-invariant route included (the other CPU paths stay as ``set_packed_linears`` left them).
+    ``panel_dtype``: None packs each weight in its own dtype; ``torch.float32`` packs bf16 weights in
+    float32 too (the same bits from twice the bytes: ``spec-bench gemm``'s comparison)."""
     if panel_dtype not in (None, torch.float32):   # float32 holds every bf16 value; nothing narrower is exact
         raise ValueError(f"panel_dtype must be None or torch.float32, got {panel_dtype!r}")
     for m in module.modules():

@@ -1,60 +1,49 @@
 """SGLang plugin: safespec's NaN policy at SGLang's sampler and EAGLE verify sites.
 
-Supported: sglang 0.5.23. SGLang's ``load_plugins`` calls ``register`` through the
-entry point ``safespec = "spec_decode.integrations.sglang_plugin:register"`` in the group
-``sglang.srt.plugins`` (allow-listed with ``SGLANG_PLUGINS=safespec``). ``register``
-only *registers* hooks with SGLang's ``HookRegistry``; ``load_plugins`` applies them
-right after every plugin ran.
+Supported: sglang 0.5.23. SGLang's ``load_plugins`` calls ``register`` through the entry point
+``safespec`` of ``sglang.srt.plugins`` (allow-listed with ``SGLANG_PLUGINS=safespec``); ``register``
+only *registers* hooks with SGLang's ``HookRegistry``, which ``load_plugins`` applies afterwards.
 
 Glossary (words as in ``numerics.policy``: NaN, Inf, non-finite, dead row):
     site: where logits are handled. ``sampler``: ``Sampler._preprocess_logits``, one
         row per request (prefill and plain decode). ``verify``: ``eagle_sample``, the
         EAGLE target logits of the draft tree, ``draft_token_num`` rows per request.
     rid: SGLang's request id (``Req.rid``); errors and aborts name it.
-    counts: per request, its NaN entries and its dead rows at one site and step
-        (int32 ``[2, num_reqs]`` on the device, ``NanCountsOnDevice``).
-    ride: the counts are handed to SGLang as a ``DeviceAuxiliaryOutput`` on the step's
-        ``LogitsProcessorOutput``; SGLang copies them to the host in the same
-        device-to-host copy as the sampled token ids (``GenerationBatchResult.copy_to_cpu``)
-        and waits for both with the one ``copy_done`` it waits for anyway.
-    agree: every rank that runs the same batch takes the same decision for each request:
-        the counts are all-reduced with MAX over the ranks that must agree (the sampler's
-        ``tp_sync_group`` and ``cp_sync_group``; at verify, the group ``eagle_sample``
-        broadcasts its accept results over) before anything reads them. On the stream, no
-        host sync; nothing at all when the group has one rank.
-    relay: under pipeline parallelism the last stage samples and every stage finishes
-        requests. The counts travel in the stage-to-stage output dict SGLang sends round
-        the ring (``NanCountsOnDevice.to_pp_tensors`` / ``from_pp_tensors``), and every
-        stage hands them on unchanged, so every stage aborts the same requests.
+    counts: per request, its NaN entries and its dead rows at one site and step, the MAX
+        over the ranks, and how far apart the ranks' counts were (the spread)
+        (int32 ``[4, num_reqs]`` on the device, rows ``COUNT_ROWS``, ``NanCountsOnDevice``).
+    ride: the counts travel as a ``DeviceAuxiliaryOutput`` on the step's ``LogitsProcessorOutput``,
+        in the device-to-host copy of the sampled ids (``copy_to_cpu``): no extra sync.
+    agree: the counts and their negation are all-reduced with MAX in one collective over the
+        ranks that must agree (``tp_sync_group``/``cp_sync_group``; at verify, ``eagle_sample``'s
+        group), so every rank decides alike; nothing when the group has one rank.
+    disagree: the ranks counted a request differently (a spread above 0), so their tokens may
+        differ: corruption, aborted on every rank under guard and abort.
+    relay: under pipeline parallelism the counts ride the stage-to-stage output dict round the
+        ring (``NanCountsOnDevice.to_pp_tensors``), so every stage aborts the same requests.
     abort: the request finishes with ``FINISH_ABORT`` (HTTP 500, err_type
         ``NanLogitsError``, a message naming the rid and the policy) and
         ``skip_radix_cache_insert``, so its KV is freed instead of entering the radix
         (prefix) cache. Other requests keep running.
 
-Policy (``SAFESPEC_NAN_POLICY`` or ``register(nan_policy=...)``, see ``numerics.NanPolicy``):
-    off: register no hook; SGLang behaves as without the plugin.
-    sanitize: in place, NaN -> -1e30, +-Inf -> +-1e30, one-shot async warning. No host sync.
-    guard (default): count NaN and dead rows per request and sanitize, in one pass; the
-        counts ride the step's result copy; a request with a dead row is aborted, partial
-        NaN is sanitized and warned about once. No host sync added.
-    abort: as guard, but any NaN aborts the request. No host sync added.
-    raise: count NaN per request, read the counts on the host (one sync per call),
-        raise ``NanLogitsError`` naming the rids. In SGLang that stops the scheduler.
+Policy (``SAFESPEC_NAN_POLICY`` or ``register(nan_policy=...)``, ``numerics.NanPolicy``; what each
+guarantees across ranks: ``docs/sglang.md``): ``off`` registers the start-up check only;
+``sanitize`` cleans in place with no collective, so it cannot make ranks agree; ``guard`` (default)
+counts, sanitizes and aborts dead rows and requests the ranks disagree on; ``abort`` aborts any NaN;
+``raise`` reads the counts on the host (one sync per call) and raises ``NanLogitsError``.
 
-Ranks: at start-up every scheduler rank compares its plugin policy and version with
-every other rank's (one ``all_gather_object`` on the world CPU group); a mismatch fails
-the start naming the ranks and their values. Under ``pp_size > 1`` without SGLang's PP
-output path (``PP_HOOK_TARGETS``), ``guard``/``abort`` fall back to ``sanitize`` with one
-warning naming why: a stage that cannot see the counts could not finish the request.
+Ranks: at start-up every rank, under ``off`` or refused too, reports its policy and versions
+through the process group's store with a bounded wait (``sglang_ranks.check_ranks_agree``): a
+mismatch, or a rank that never reports, fails the start on every rank naming them. Under
+``pp_size > 1`` without SGLang's PP output path (``PP_HOOK_TARGETS``), ``guard``/``abort`` fall back
+to ``sanitize`` with one warning.
 
-Layout: this module holds the hooks and ``register``; ``sglang_types`` the state and the
-counts' device, host and PP forms; ``sglang_ranks`` the agreement across ranks and the PP
-relay. Their names are re-exported here.
+Layout: the hooks and ``register`` here; the state and the counts' forms in ``sglang_types``;
+agreement across ranks and the PP relay in ``sglang_ranks`` (names re-exported here).
 
-Draft side: under every policy but ``off``, draft probabilities that reach rejection
-sampling (``verify_input.draft_probs``) are cleaned in place before ``eagle_sample``:
-NaN, Inf and negative entries become 0 and rows are renormalised; a row with no mass
-left becomes all zeros, so SGLang's kernel rejects its drafts. No host sync.
+Draft side: under every policy but ``off``, ``verify_input.draft_probs`` are cleaned in place before
+``eagle_sample`` (NaN, Inf and negatives -> 0, rows renormalised; a row with no mass left is all
+zeros, so SGLang rejects its drafts). No host sync.
 """
 
 from __future__ import annotations
@@ -127,10 +116,17 @@ ROW_LABEL = "row{}"
 
 @dataclass
 class _SampleCall:
-    """One ``ModelRunner.sample`` call: its rids, and the counts the sampler hook left."""
+    """One ``ModelRunner.sample`` call: its rids, and the counts the sampler hook left.
+
+    ``counted``: the sampler hook already applied the policy in this call. SGLang's
+    ``Sampler.forward`` preprocesses a second tensor (the pre-watermark logits, when a
+    watermark and logprobs are on); that one is only sanitized, so the counts and their
+    all-reduce happen once per call and the sampled logits' counts decide.
+    """
 
     rids: list | None
     counts: torch.Tensor | None = None
+    counted: bool = False
 
 
 @dataclass
@@ -185,7 +181,7 @@ def check_compatibility() -> None:
     if missing:
         raise SGLangPluginError(
             f"safespec SGLang plugin supports sglang {SUPPORTED_SGLANG_VERSION}; refusing to "
-            f"register (nothing applied). Missing: {'; '.join(missing)}"
+            f"register (no NaN policy applied; only the start-up check). Missing: {'; '.join(missing)}"
         )
     import sglang
 
@@ -198,9 +194,15 @@ def check_compatibility() -> None:
         )
 
 
-def abort_message(policy: NanPolicy, rid: str, site: str, num_nans: int, dead_rows: int) -> str:
+def abort_message(policy: NanPolicy, rid: str, site: str, num_nans: int, dead_rows: int,
+                  disagreement: str | None = None) -> str:
     """The ``FINISH_ABORT`` message of a request aborted by ``policy`` at ``site``."""
-    what = f"{dead_rows} dead logit rows (no finite value)" if policy is NanPolicy.GUARD else f"{num_nans} NaN logits"
+    if disagreement is not None:
+        what = disagreement
+    elif policy is NanPolicy.GUARD:
+        what = f"{dead_rows} dead logit rows (no finite value)"
+    else:
+        what = f"{num_nans} NaN logits"
     return (
         f"safespec: request {rid} aborted by the safespec NaN policy '{policy.value}': {what} "
         f"at SGLang {site}; its KV is kept out of the prefix cache"
@@ -232,7 +234,7 @@ def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: to
 
     Shape:
         logits: [num_rows, V]; cu_num_rows: [len(rids) + 1] on logits.device.
-        returns: int32 [2, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
+        returns: int32 [4, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
 
     ``groups``: the ranks that run the same batch and must decide alike (``agree``).
     On NaN: sanitize -> sanitized, warned once (async); raise -> sanitized, then
@@ -251,18 +253,30 @@ def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: to
     return stacked
 
 
+def _disagreement(num_nans: int, dead_rows: int, nan_spread: int, dead_spread: int) -> str:
+    """The ranks' counts of one request, as a range over the ranks (min-max)."""
+    return (f"the ranks disagree: {num_nans - nan_spread}-{num_nans} NaN logits and "
+            f"{dead_rows - dead_spread}-{dead_rows} dead rows across the ranks")
+
+
 def decide_aborts(state: PluginState, host: NanCountsOnHost) -> dict:
     """Return {rid: abort message} for one site's host counts under ``state.policy``.
 
-    Reads host memory only (SGLang's copy, after its ``copy_done`` wait). Under guard,
-    partial NaN (NaN without a dead row) is logged once per process.
+    Reads host memory only (SGLang's copy, after its ``copy_done`` wait). A request the
+    ranks counted differently is aborted and logged, naming it and the ranks' counts.
+    Under guard, partial NaN every rank saw alike is logged once per process.
     """
     aborts = {}
     partial = []
     # Host memory: SGLang already waited for this copy (copy_done) before processing the result.
-    for rid, num_nans, dead_rows in zip(host.rids, *host.counts.tolist()):
+    for rid, num_nans, dead_rows, nan_spread, dead_spread in zip(host.rids, *host.counts.tolist()):
         trigger = dead_rows if state.policy is NanPolicy.GUARD else num_nans
-        if trigger:
+        if nan_spread or dead_spread:
+            disagreement = _disagreement(num_nans, dead_rows, nan_spread, dead_spread)
+            logger.error("safespec: request %s at SGLang %s: %s; aborting it on every rank", rid, host.site,
+                         disagreement)
+            aborts[rid] = abort_message(state.policy, rid, host.site, num_nans, dead_rows, disagreement)
+        elif trigger:
             aborts[rid] = abort_message(state.policy, rid, host.site, num_nans, dead_rows)
         elif num_nans:
             partial.append(f"{rid} ({num_nans} NaN)")
@@ -377,6 +391,13 @@ def _logits_hooks(state: PluginState) -> dict:
             # No request to finish: sanitize and warn (async), as the sanitize policy does.
             sanitize_nan_logits(logits, "sglang sampler (no request ids)")
             return original_fn(sampler, logits, sampling_info)
+        if call is not None and call.counted:
+            # Second tensor of this sampler call (pre-watermark logits for logprobs): the
+            # first call's counts decide; counting again would all-reduce again.
+            sanitize_nan_logits(logits, warn=False)
+            return original_fn(sampler, logits, sampling_info)
+        if call is not None:
+            call.counted = True
         cu_num_rows = torch.arange(num_rows + 1, device=logits.device, dtype=torch.int32)
         counts = count_and_sanitize(state, logits, cu_num_rows, rids, "sampler", sampler_groups(sampler))
         if counts is not None:
@@ -457,7 +478,8 @@ def _scheduler_hooks(state: PluginState) -> dict:
         state.ranks_checked = True
         parallel = get_parallel()
         check_ranks_agree(rank_config(state), parallel.world_group.cpu_group)
-        fall_back_without_pp_relay(state, parallel.pp_size)
+        if state.refused is None:
+            fall_back_without_pp_relay(state, parallel.pp_size)
         return None
 
     return {RESULT_TARGET: result_hook, FINISH_TARGET: finish_hook, ANNOUNCE_TARGET: announce_hook,
@@ -511,23 +533,51 @@ def _already_registered(registry) -> bool:
     return any(getattr(h, "safespec_hook", False) for t in HOOK_TARGETS for _, h, _ in hooks.get(t, ()))
 
 
+def _register_start_up_check_only(state: PluginState) -> None:
+    """Register only the start-up check's hook, so that this rank still reports (under ``off``, or refused).
+
+    Where even that target is missing, nothing is registered; the other ranks then fail
+    their start-up check naming this rank (it never reports).
+    """
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        _resolve(RANKS_TARGET)
+        if _already_registered(HookRegistry):
+            return
+        hook = _scheduler_hooks(state)[RANKS_TARGET]
+        hook.safespec_hook = True
+        HookRegistry.register(RANKS_TARGET, hook, hook_types()[RANKS_TARGET])
+    except (ImportError, AttributeError, ValueError) as exc:
+        logger.warning("safespec SGLang plugin: cannot register the start-up check (%s: %s)", type(exc).__name__, exc)
+
+
 def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
     """SGLang plugin entry point: register safespec's hooks with ``HookRegistry``.
 
     The policy is ``nan_policy`` if given, else ``$SAFESPEC_NAN_POLICY``, else
-    ``guard``. ``off`` registers nothing. Every target is resolved first; if one
-    is missing, raises ``SGLangPluginError`` naming it and registers nothing
-    (SGLang's ``load_plugins`` logs the error and serves without the plugin).
-    Calling it again in the same process is a no-op. The policy line is logged by
-    each scheduler once SGLang configured its logging (``announce``).
+    ``guard``. ``off`` registers only the start-up check (``Scheduler.init_model_worker``),
+    so the rank still reports its policy to the others. Every target is resolved first;
+    if one is missing, registers only the start-up check (reporting ``refused: <why>``)
+    and raises ``SGLangPluginError`` naming it (SGLang's ``load_plugins`` logs the error,
+    applies what was registered and serves without the policy). Calling it again in the
+    same process is a no-op. The policy line is logged by each scheduler once SGLang
+    configured its logging (``announce``).
 
     Returns the shared ``PluginState``, or None when nothing was registered.
     """
     policy = NanPolicy.resolve(nan_policy)
     if policy is NanPolicy.OFF:
-        logger.info("safespec SGLang plugin: policy off, no hooks registered")
-        return None
-    check_compatibility()
+        logger.info("safespec SGLang plugin: policy off, only the start-up check registered")
+        state = PluginState(policy=policy)
+        _register_start_up_check_only(state)
+        return state
+    try:
+        check_compatibility()
+    except SGLangPluginError as exc:
+        why = str(exc).partition("Missing: ")[2] or str(exc)
+        _register_start_up_check_only(PluginState(policy=policy, refused=f"missing {why}"))
+        raise
     from sglang.srt.environ import envs
     from sglang.srt.plugins.hook_registry import HookRegistry
 

@@ -6,7 +6,11 @@ Words as in ``spec_decode.integrations.sglang_plugin``'s glossary (agree, relay)
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
+import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,19 +27,26 @@ def _has_peers(group) -> bool:
 
 
 def agree(counts: torch.Tensor, groups) -> torch.Tensor:
-    """Make ``counts`` the element-wise MAX over every rank of each group of ``groups``, in place.
+    """Reduce ``counts`` over every rank of each group of ``groups``: the MAX and the spread (MAX - MIN).
 
     Shape:
-        counts: int32 [2, num_reqs], the same requests in the same order on every rank.
+        counts: int32 [2, num_reqs] (rows nan, dead_rows), the same requests in the same
+            order on every rank.
+        returns: int32 [4, num_reqs] (rows ``COUNT_ROWS``): the MAX of each row over the
+            ranks, then each row's spread over the ranks (0 where every rank counted alike).
 
-    A request with NaN on any rank then counts as NaN on all of them, so all finish it in
-    the same step. Groups with one rank are skipped: nothing is issued. On the stream: a
-    device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
+    A request with NaN on any rank then counts as NaN on all of them, and a request the
+    ranks counted differently shows a spread, so every rank takes the same decision. The
+    MIN rides in the same all-reduce as MAX of the negated counts: one collective per
+    group. Groups with one rank are skipped: nothing is issued (the spread is 0). On the
+    stream: a device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
     """
+    reduced = torch.cat((counts, -counts))  # [4, num_reqs]: MAX over ranks gives (max, -min)
     for group in groups:
         if _has_peers(group):
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
-    return counts
+            dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
+    reduced[2:] += reduced[:2]  # -min + max: the spread
+    return reduced
 
 
 def sampler_groups(sampler) -> tuple:
@@ -109,33 +120,88 @@ def attach_relayed_counts(state: PluginState, result, outputs) -> None:
     result.auxiliary_host_output = CompositeHostAuxiliaryOutput(tuple(before) + tuple(host))
 
 
+STARTUP_TIMEOUT_ENV = "SAFESPEC_SGLANG_STARTUP_TIMEOUT_S"
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+"""How long a rank waits at start-up for every other rank's report. Ranks reach the check
+after loading the model, so it covers the spread of their load times."""
+STARTUP_KEY = "safespec_sglang_startup"
+_POLL_S = 0.05
+
+
+def startup_timeout_s() -> float:
+    """The start-up check's bounded wait: ``$SAFESPEC_SGLANG_STARTUP_TIMEOUT_S``, else the default."""
+    value = os.environ.get(STARTUP_TIMEOUT_ENV)
+    return float(value) if value else DEFAULT_STARTUP_TIMEOUT_S
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
 def rank_config(state: PluginState) -> dict:
-    """What every rank must share: the plugin's policy and version, and SGLang's version."""
+    """What every rank must share: its policy (or why it refused), safespec's, SGLang's, torch's and triton's versions."""
     import sglang
 
     from spec_decode import __version__
 
-    return {"policy": state.policy.value, "safespec": __version__, "sglang": getattr(sglang, "__version__", "unknown")}
+    policy = state.policy.value if state.refused is None else f"refused: {state.refused}"
+    return {"policy": policy, "safespec": __version__, "sglang": getattr(sglang, "__version__", "unknown"),
+            "torch": torch.__version__, "triton": _version("triton")}
 
 
-def check_ranks_agree(config: dict, group) -> None:
-    """Raise ``SGLangPluginError`` naming each rank's value when the ranks of ``group`` differ on ``config``.
+def _gather_through_store(config: dict, group, timeout_s: float, key: str) -> list:
+    """Every rank's ``config`` (rank order) through the process group's store, waiting at most ``timeout_s``.
 
-    One ``all_gather_object`` on ``group`` (a CPU/gloo group), once at start-up; nothing
-    when ``group`` has one rank.
+    Each rank writes its own key and polls for the others'; a rank that never writes (no
+    plugin at all) makes every waiting rank raise, naming it. A collective would instead
+    block until the group's own timeout, or, with gloo's ``monitored_barrier``, bound
+    only rank 0's wait.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    keys = [f"{key}/{world}/{r}" for r in range(world)]
+    store.set(keys[rank], json.dumps(config))
+    deadline = time.monotonic() + timeout_s
+    missing = [r for r in range(world) if r != rank]
+    while True:
+        missing = [r for r in missing if not store.check([keys[r]])]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    if missing:
+        raise SGLangPluginError(
+            f"safespec SGLang plugin: rank {rank}: ranks {missing} did not report to the start-up check within "
+            f"{timeout_s:g} s (${STARTUP_TIMEOUT_ENV}): the safespec plugin is not loaded there (SGLANG_PLUGINS leaves "
+            "it out, or safespec is not installed on that node), or that rank is still loading its model"
+        )
+    return [json.loads(store.get(k)) for k in keys]
+
+
+def check_ranks_agree(config: dict, group, timeout_s: float | None = None, key: str | None = None) -> None:
+    """Raise ``SGLangPluginError`` naming each rank's value when the ranks of ``group`` differ on ``config``,
+    or naming the ranks that did not report within ``timeout_s`` (default ``startup_timeout_s()``).
+
+    Once at start-up, through the process group's store (``key``, default ``STARTUP_KEY``,
+    names the exchange: one key per exchange and rank, never reused in one process group);
+    nothing when ``group`` has one rank. A rank under ``off``, or whose plugin refused to
+    register, still reports (``policy=off``, ``policy=refused: <why>``).
     """
     if not _has_peers(group):
         return
-    configs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(configs, config, group=group)
-    differing = sorted(key for key in config if len({str(c.get(key)) for c in configs}) > 1)
+    timeout_s = startup_timeout_s() if timeout_s is None else timeout_s
+    configs = _gather_through_store(config, group, timeout_s, key or STARTUP_KEY)
+    differing = sorted(key_ for key_ in config if len({str(c.get(key_)) for c in configs}) > 1)
     if differing:
         by_rank = "; ".join(
-            f"rank {rank}: " + ", ".join(f"{key}={c.get(key)}" for key in differing) for rank, c in enumerate(configs)
+            f"rank {rank}: " + ", ".join(f"{k}={c.get(k)}" for k in differing) for rank, c in enumerate(configs)
         )
         raise SGLangPluginError(
             f"safespec SGLang plugin: the ranks disagree on {', '.join(differing)} ({by_rank}); set "
-            "SAFESPEC_NAN_POLICY and install the same safespec and sglang on every node"
+            "SAFESPEC_NAN_POLICY and SGLANG_PLUGINS alike and install the same safespec, sglang, torch and "
+            "triton on every node"
         )
 
 

@@ -11,15 +11,18 @@ import torch
 
 from numerics import NanPolicy
 
-COUNT_ROWS = ("nan", "dead_rows")
-"""Rows of the int32 [2, num_reqs] counts tensor that rides the result copy."""
+COUNT_ROWS = ("nan", "dead_rows", "nan_spread", "dead_spread")
+"""Rows of the int32 [4, num_reqs] counts tensor that rides the result copy: the MAX over the
+ranks of a request's NaN entries and dead rows, then how far apart the ranks' counts were
+(MAX - MIN; 0 in one process)."""
 ABORTING_POLICIES = (NanPolicy.ABORT, NanPolicy.GUARD)
 PP_TENSOR_PREFIX = "safespec_nan_counts."
 """Name of a site's counts in ``to_pp_tensors`` (SGLang prefixes it with its own output prefix)."""
 
 
 class SGLangPluginError(RuntimeError):
-    """The plugin refused to register: a hook target or a required symbol is missing."""
+    """The plugin refused to register (a hook target or a required symbol is missing), or the
+    ranks' start-up check failed."""
 
 
 @dataclass
@@ -33,6 +36,7 @@ class PluginState:
     pp_relay_missing: str | None = None  # why the PP hooks could not register, if they could not
     warned_pp_rows: bool = False
     ranks_checked: bool = False
+    refused: str | None = None  # why register refused; such a state only reports to the start-up check
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,7 @@ class NanCountsOnHost:
     """SGLang ``HostAuxiliaryOutput``: one site's counts after SGLang's result copy.
 
     Shape:
-        counts: int32 [2, len(rids)] on the host (rows ``COUNT_ROWS``).
+        counts: int32 [4, len(rids)] on the host (rows ``COUNT_ROWS``).
     """
 
     site: str
@@ -56,7 +60,7 @@ class NanCountsOnDevice:
     """SGLang ``DeviceAuxiliaryOutput``: one site's counts, copied with the sampled tokens.
 
     Shape:
-        counts: int32 [2, len(rids)] on the logits' device (rows ``COUNT_ROWS``), a fresh
+        counts: int32 [4, len(rids)] on the logits' device (rows ``COUNT_ROWS``), a fresh
             tensor (never a CUDA-graph buffer).
     """
 

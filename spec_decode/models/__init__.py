@@ -23,10 +23,11 @@ the CPU backend.
 from spec_decode.models.config import ModelConfig, apply_rope, rope_cos_sin, rope_inv_freq
 from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, load_drafter
 from spec_decode.models.kv_cache import KVCache
-from spec_decode.models.layers import Attention, DecoderLayer, RMSNorm, set_exact_nan
+from spec_decode.models.layers import Attention, DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan
 from spec_decode.models.masks import LayerInputs, build_attention_mask, causal_block_mask, prepare_block
 from spec_decode.models.transformer import ModelOutput, Transformer
 
 __all__ = ["Attention", "DecoderLayer", "DraftOutput", "Eagle3Head", "EagleHead", "KVCache", "LayerInputs",
            "ModelConfig", "ModelOutput", "RMSNorm", "Transformer", "apply_rope", "build_attention_mask",
-           "causal_block_mask", "load_drafter", "prepare_block", "rope_cos_sin", "rope_inv_freq", "set_exact_nan"]
+           "causal_block_mask", "load_drafter", "prepare_block", "rope_cos_sin", "rope_inv_freq", "set_batch_invariant",
+           "set_exact_nan"]

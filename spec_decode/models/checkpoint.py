@@ -41,7 +41,7 @@ def _read_json_object(file: str, what: str) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # ValueError: JSONDecodeError, or an int past 4300 digits
         raise CheckpointError(f"{what} {file} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{what} {file} must hold a JSON object, got {type(data).__name__}")
@@ -73,25 +73,30 @@ def read_config(path: str | os.PathLike) -> dict:
     return _read_json_object(cfg_path, "checkpoint config")
 
 
-def eos_ids(value, where: str) -> tuple[int, ...]:
-    """An ``eos_token_id`` value (null, an int or a list of ints) as a tuple; CheckpointError naming
-    ``where`` otherwise."""
+def eos_ids(value, where: str, vocab_size: int | None = None) -> tuple[int, ...]:
+    """An ``eos_token_id`` value (null, an int or a list of ints, each below ``vocab_size`` when given) as a
+    tuple; CheckpointError naming ``where`` otherwise (an id past the vocabulary could never be emitted, so
+    a request would never stop at it)."""
     items = [] if value is None else value if isinstance(value, list) else [value]
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in items):
         raise CheckpointError(f"{where}: eos_token_id must be null, an id or a list of ids, got {value!r}")
+    outside = [t for t in items if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise CheckpointError(f"{where}: eos_token_id {outside[0]} is outside the vocabulary [0, {vocab_size})")
     return tuple(items)
 
 
-def read_eos_token_ids(path: str | os.PathLike) -> tuple[int, ...]:
+def read_eos_token_ids(path: str | os.PathLike, vocab_size: int | None = None) -> tuple[int, ...]:
     """The EOS ids of checkpoint directory ``path``: ``generation_config.json``'s ``eos_token_id`` when
-    that file sets it (as HF ``generate`` reads it), else ``config.json``'s; () when neither does."""
+    that file sets it (as HF ``generate`` reads it), else ``config.json``'s; () when neither does. With
+    ``vocab_size``, an id outside [0, vocab_size) is a CheckpointError naming the file."""
     path = check_local_dir(path)
     for name in (GENERATION_CONFIG_NAME, CONFIG_NAME):
         file = os.path.join(path, name)
         if os.path.isfile(file):
             data = _read_json_object(file, "checkpoint config")
             if data.get("eos_token_id") is not None:
-                return eos_ids(data["eos_token_id"], file)
+                return eos_ids(data["eos_token_id"], file, vocab_size)
     return ()
 
 

@@ -14,6 +14,9 @@ from spec_decode.models.checkpoint import read_config
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+"""The HF classes (and their ``model_type``) whose checkpoints ``Transformer`` runs: another decoder (GPT-2,
+Qwen3's q/k norms, ...) would load as a Llama with its own weights misread."""
 IGNORED_CHECKPOINT_SUFFIXES = ("rotary_emb.inv_freq",)  # old HF checkpoints saved this buffer
 
 
@@ -89,10 +92,19 @@ class ModelConfig:
         return self.attention_bias and self.model_type != "qwen2"
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a HF ``config.json`` dict (transformers v4 ``rope_scaling`` or v5 ``rope_parameters``)."""
+    def from_hf_dict(cls, d: dict, *, drafter: bool = False) -> "ModelConfig":
+        """Build from a HF ``config.json`` dict (transformers v4 ``rope_scaling`` or v5 ``rope_parameters``).
+
+        ``model_type`` (when set) must be ``llama`` or ``qwen2``, and ``architectures`` (when set) may name only
+        ``SUPPORTED_ARCHITECTURES``; ``drafter=True`` (an EAGLE head: its ``architectures`` names the head's
+        class, ``LlamaForCausalLMEagle3`` and the like) checks ``model_type`` only.
+        """
         d = dict(d)
         model_type = d.get("model_type", "llama")
+        _check_architecture(d, drafter)
+        for key in ("rope_parameters", "rope_scaling"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ValueError(f"{key} must be a dict or null, got {d[key]!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu'")
         if d.get("mlp_bias", False):
@@ -123,12 +135,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_pretrained(cls, path: str | os.PathLike, *, drafter: bool = False) -> "ModelConfig":
         """Read ``path/config.json``; FileNotFoundError naming the file when it is missing, ValueError naming
-        the file and the key for a bad value (NaN ``rope_theta``, a non-positive size, ...)."""
+        the file and the key for a bad value (NaN ``rope_theta``, a non-positive size, an unsupported
+        architecture, ...). ``drafter``: as in :meth:`from_hf_dict`."""
         d = read_config(path)
         try:
-            return cls.from_hf_dict(d)
+            return cls.from_hf_dict(d, drafter=drafter)
         except ValueError as err:
             raise ValueError(f"{os.path.join(os.fspath(path), 'config.json')}: {err}") from None
 
@@ -143,6 +156,23 @@ class ModelConfig:
         if self.rope_scaling is None:
             d.pop("rope_scaling")
         return d
+
+
+def _check_architecture(d: dict, drafter: bool) -> None:
+    """ValueError naming an unsupported ``model_type``, or (unless ``drafter``) an ``architectures`` entry."""
+    model_type = d.get("model_type", "llama")
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise ValueError(f"model_type {model_type!r} is not supported; safespec runs "
+                         f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES.values()))}")
+    names = d.get("architectures")
+    if drafter or names is None:
+        return
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"architectures must be a list of class names, got {names!r}")
+    other = [n for n in names if n not in SUPPORTED_ARCHITECTURES]
+    if other:
+        raise ValueError(f"architectures names {', '.join(map(repr, other))}, which is not supported; safespec "
+                         f"runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _check_positive_int(name: str, value) -> None:

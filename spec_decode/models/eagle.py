@@ -8,7 +8,9 @@ EAGLE-1/2 (``EagleHead``, layout "eagle"; SafeAILab/EAGLE ``cnets1.py``, SGLang 
     feature = target ``ModelOutput.hidden`` (after the final norm).
     ``x = fc(cat[embed(ids), feature])`` -> decoder layers (layer 0 has no input_layernorm, as published)
     -> ``out.hidden``; ``logits = target.lm_head(out.hidden)`` (no norm). Embedding and lm_head are the
-    target's.
+    target's. With ``draft_vocab_size`` Vd < V in config.json (FR-Spec's frequency-ranked head), the head
+    has its own ``lm_head`` over Vd draft ids, started as the target's rows of those ids, and the
+    ``d2t``/``t2d`` maps of EAGLE-3; verification stays against the full vocabulary.
 
     ====================================================  ===============
     key                                                   shape
@@ -20,6 +22,7 @@ EAGLE-1/2 (``EagleHead``, layout "eagle"; SafeAILab/EAGLE ``cnets1.py``, SGLang 
     layers.0.post_attention_layernorm.weight              [H]
     layers.N.input_layernorm.weight (N >= 1 only)         [H]
     embed_tokens.weight                                   [V, H] (optional; default: the target's)
+    lm_head.weight, d2t, t2d                              [Vd, H], [Vd], [V] (only when Vd < V)
     ====================================================  ===============
 
 EAGLE-3 (``Eagle3Head``, layout "eagle3"; SafeAILab/EAGLE ``cnets.py``, SGLang ``llama_eagle3.py``)
@@ -231,7 +234,7 @@ class _DraftHead(RopeFrequencies, nn.Module):
         vocab sizes differ from the target's (naming both), when a config value is bad (naming the key) or when
         keys are missing/unexpected/misshaped (naming them).
         """
-        config = ModelConfig.from_pretrained(path)
+        config = ModelConfig.from_pretrained(path, drafter=True)   # architectures names the head's class
         state = cls._complete_state(_strip_prefix(load_state_dict(path)), config)
         try:
             cls._check_state(state, config, target)
@@ -261,30 +264,85 @@ class _DraftHead(RopeFrequencies, nn.Module):
     def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
         """Value checks of a layout's own tensors, before the model is built; ValueError naming the key."""
 
+    # ---- the draft vocabulary: ``d2t`` / ``t2d`` buffers, None on a head over the target's vocabulary
+    def set_draft_vocab(self, draft_token_ids: Tensor) -> None:
+        """Set ``d2t``/``t2d`` from the target ids of the draft vocabulary (increasing, length Vd)."""
+        if self.d2t is None:
+            raise ValueError("this head drafts over the target's whole vocabulary (no draft_vocab_size < "
+                             "vocab_size in its config): it has no draft vocabulary to set")
+        ids = draft_token_ids.to(device=self.d2t.device, dtype=torch.long)
+        if ids.shape != self.d2t.shape:
+            raise ValueError(f"draft_token_ids must have shape {tuple(self.d2t.shape)}, got {tuple(ids.shape)}")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """Map draft-vocabulary ids to target ids: ``d + d2t[d]`` (the ids themselves without ``d2t``).
+        Shape: any -> same."""
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def to_target_probs(self, probs: Tensor) -> Tensor:
+        """Scatter draft-vocabulary probabilities into the target vocabulary (zeros elsewhere; the
+        probabilities themselves without ``d2t``). Shape: [..., Vd] -> [..., V]."""
+        if self.d2t is None:
+            return probs
+        target_ids = torch.arange(self.draft_vocab_size, device=probs.device) + self.d2t.to(probs.device)
+        out = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return out.index_copy_(-1, target_ids, probs)
+
 
 class EagleHead(_DraftHead):
-    """EAGLE-1/2 head: ``fc(cat[embed, feature])`` -> decoder layer(s) -> the target's lm_head."""
+    """EAGLE-1/2 head: ``fc(cat[embed, feature])`` -> decoder layer(s) -> the target's lm_head, or, with
+    ``draft_vocab_size`` < V, its own lm_head over a frequency-ranked draft vocabulary (FR-Spec)."""
 
     layout = "eagle"
     architecture = EAGLE_ARCHITECTURE
     aux_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig, target: Transformer, *, fc_bias: bool | None = None,
-                 own_embedding: bool = False):
+                 own_embedding: bool = False, draft_token_ids: Tensor | None = None):
+        """``draft_token_ids`` (increasing target ids, as many as config's ``draft_vocab_size`` < V; default
+        the first Vd ids): the draft vocabulary, whose rows of the target's lm_head start the head's own."""
         super().__init__()
-        config = dataclasses.replace(config, extra=dict(config.extra))  # records "bias" below
+        # records "bias" below; a head's lm_head is never its embedding (a tied target's config copied
+        # into a head's would make the loader skip the head's own lm_head.weight)
+        config = dataclasses.replace(config, extra=dict(config.extra), tie_word_embeddings=False)
         _check_sizes(config, target, config.hidden_size)
         self.config = config
-        H = config.hidden_size
+        H, V = config.hidden_size, config.vocab_size
+        Vd = _draft_vocab_size(config)
         # default true: the reference EAGLE-1/2 loader's default when config.json has no "bias"
         self.fc = Linear(2 * H, H, bias=_fc_bias(config, fc_bias, default=True))
         self.layers = nn.ModuleList(DecoderLayer(config, input_norm=i != 0) for i in range(config.num_hidden_layers))
         self._bind_embedding(target, own_embedding)
-        object.__setattr__(self, "lm_head", target.lm_head)  # shared, never saved
+        if Vd == V:
+            if draft_token_ids is not None:
+                raise ValueError("draft_token_ids needs config key draft_vocab_size < vocab_size")
+            self.register_buffer("d2t", None)
+            self.register_buffer("t2d", None)
+            object.__setattr__(self, "lm_head", target.lm_head)  # shared, never saved
+            return
+        config.extra["draft_vocab_size"] = Vd
+        self.lm_head = Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(V, dtype=torch.bool))
+        if self.d2t.device.type != "meta":   # from_pretrained builds on meta and assigns the saved tensors
+            ids = draft_token_ids if draft_token_ids is not None else torch.arange(Vd)
+            self.set_draft_vocab(ids)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)])
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.lm_head.out_features
+
+    @classmethod
+    def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
+        if _draft_vocab_size(config) < config.vocab_size:
+            _check_d2t(state, config, target)
 
     def num_cache_layers(self) -> int:
         return len(self.layers)
@@ -312,16 +370,9 @@ class EagleHead(_DraftHead):
         return DraftOutput(logits=self.compute_logits(x) if return_logits else None, hidden=x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """The target's lm_head on head features (no norm, as published). Shape: [..., H] -> [..., V]."""
+        """The lm_head on head features (no norm, as published). Shape: [..., H] -> [..., Vd] (Vd = V with
+        the target's lm_head)."""
         return self.lm_head(hidden)
-
-    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
-        """Identity: the draft vocabulary is the target's."""
-        return draft_ids
-
-    def to_target_probs(self, probs: Tensor) -> Tensor:
-        """Identity: the draft vocabulary is the target's. Shape: [..., V] -> [..., V]."""
-        return probs
 
 
 class Eagle3Layer(nn.Module):
@@ -351,7 +402,8 @@ class Eagle3Head(_DraftHead):
     def __init__(self, config: ModelConfig, target: Transformer, *, own_embedding: bool = False,
                  fc_bias: bool | None = None, draft_token_ids: Tensor | None = None):
         super().__init__()
-        config = dataclasses.replace(config, extra=dict(config.extra))  # we fill in defaults below
+        # we fill in defaults below; never tied (see EagleHead)
+        config = dataclasses.replace(config, extra=dict(config.extra), tie_word_embeddings=False)
         H, V = config.hidden_size, config.vocab_size
         Ht = config.extra.get("target_hidden_size") or H
         if not isinstance(Ht, int) or isinstance(Ht, bool) or Ht < 1:
@@ -399,36 +451,7 @@ class Eagle3Head(_DraftHead):
 
     @classmethod
     def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
-        """``d2t`` maps the Vd draft ids to distinct target ids inside the target's vocabulary
-        (``d + d2t[d]``): two draft ids on one target id would drop probability mass, an id
-        outside it would fail deep inside a forward."""
-        Vd, V = _draft_vocab_size(config), target.config.vocab_size
-        d2t = state.get("d2t")
-        if d2t is None:
-            return   # assign_state names the missing key
-        if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
-            raise ValueError(f"d2t must be an integer tensor, got {d2t.dtype}")
-        if tuple(d2t.shape) != (Vd,):
-            raise ValueError(f"d2t must have draft_vocab_size ({Vd}) entries, got shape {tuple(d2t.shape)}")
-        ids = torch.arange(Vd, dtype=torch.long) + d2t.long().cpu()   # load time: reading it is fine
-        outside = ((ids < 0) | (ids >= V)).nonzero().flatten()
-        if outside.numel():
-            d = int(outside[0])
-            raise ValueError(f"d2t maps draft id {d} to target id {int(ids[d])}, outside the target's vocabulary "
-                             f"[0, {V}) ({outside.numel()} such ids)")
-        if torch.unique(ids).numel() != Vd:
-            dup = ids.bincount(minlength=V).argmax()
-            raise ValueError(f"d2t maps several draft ids to target id {int(dup)}: draft ids must map to distinct "
-                             "target ids")
-
-    def set_draft_vocab(self, draft_token_ids: Tensor) -> None:
-        """Set ``d2t``/``t2d`` from the target ids of the draft vocabulary (increasing, length Vd)."""
-        ids = draft_token_ids.to(device=self.d2t.device, dtype=torch.long)
-        if ids.shape != self.d2t.shape:
-            raise ValueError(f"draft_token_ids must have shape {tuple(self.d2t.shape)}, got {tuple(ids.shape)}")
-        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        _check_d2t(state, config, target)
 
     def fuse(self, aux_hidden: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
         """Fuse the target's 3 aux hidden states into the first-step feature.
@@ -472,18 +495,29 @@ class Eagle3Head(_DraftHead):
         """Draft-vocabulary logits of head features. Shape: [..., H] -> [..., Vd]."""
         return self.lm_head(self.norm(hidden))
 
-    def to_target_ids(self, draft_ids: Tensor) -> Tensor:
-        """Map draft-vocabulary ids to target ids: ``d + d2t[d]``. Shape: any -> same."""
-        return draft_ids + self.d2t[draft_ids]
 
-    def to_target_probs(self, probs: Tensor) -> Tensor:
-        """Scatter draft-vocabulary probabilities into the target vocabulary (zeros elsewhere).
-
-        Shape: [..., Vd] -> [..., V].
-        """
-        target_ids = torch.arange(self.draft_vocab_size, device=probs.device) + self.d2t.to(probs.device)
-        out = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
-        return out.index_copy_(-1, target_ids, probs)
+def _check_d2t(state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
+    """``d2t`` maps the Vd draft ids to distinct target ids inside the target's vocabulary
+    (``d + d2t[d]``): two draft ids on one target id would drop probability mass, an id
+    outside it would fail deep inside a forward."""
+    Vd, V = _draft_vocab_size(config), target.config.vocab_size
+    d2t = state.get("d2t")
+    if d2t is None:
+        return   # assign_state names the missing key
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool:
+        raise ValueError(f"d2t must be an integer tensor, got {d2t.dtype}")
+    if tuple(d2t.shape) != (Vd,):
+        raise ValueError(f"d2t must have draft_vocab_size ({Vd}) entries, got shape {tuple(d2t.shape)}")
+    ids = torch.arange(Vd, dtype=torch.long) + d2t.long().cpu()   # load time: reading it is fine
+    outside = ((ids < 0) | (ids >= V)).nonzero().flatten()
+    if outside.numel():
+        d = int(outside[0])
+        raise ValueError(f"d2t maps draft id {d} to target id {int(ids[d])}, outside the target's vocabulary "
+                         f"[0, {V}) ({outside.numel()} such ids)")
+    if torch.unique(ids).numel() != Vd:
+        dup = ids.bincount(minlength=V).argmax()
+        raise ValueError(f"d2t maps several draft ids to target id {int(dup)}: draft ids must map to distinct "
+                         "target ids")
 
 
 def drafter_layout(path: str | os.PathLike) -> str:

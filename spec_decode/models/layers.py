@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spec_decode.cpu import Linear
+from spec_decode.cpu import Linear, cpu_gemm
+from spec_decode.cpu.attention import invariant_attention
 from spec_decode.models.config import ModelConfig, apply_rope
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.masks import LayerInputs
+
+_INVARIANT_DTYPES = (torch.float32, torch.bfloat16)   # the dtypes with batch-invariant routes
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +78,14 @@ class Attention(nn.Module):
     from poisoning the tokens before it; finite results are unchanged. It costs about 10 small ops
     per layer, so ``set_exact_nan`` turns it on by default only for float16, where overflow makes NaN
     part of normal operation.
+
+    ``batch_invariant`` (None or True: on; False: off; ``set_batch_invariant``): on the CPU, in float32
+    and bf16 where ``cpu_gemm.available()``, eager and without autograd, each query row attends alone
+    over the keys it may see, in cache-row order (``spec_decode.cpu.attention``), so its bits depend
+    neither on ``kv_len``, the block width nor the batch. Elsewhere, and off, it is SDPA.
     """
+
+    batch_invariant: bool | None = None
 
     def __init__(self, config: ModelConfig, in_dim: int | None = None):
         super().__init__()
@@ -103,9 +113,12 @@ class Attention(nn.Module):
         q = q.reshape(B, nkv, n_rep * T, D)
         if self.exact_nan:
             keys, values, finite = _zero_nonfinite_rows(keys, values)
-        if keys.dtype != q.dtype:  # a cache in another dtype than the model
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=li.bias)
+        if self._invariant(q, keys):
+            out = invariant_attention(q, keys, values, mask, D ** -0.5)   # keys past S are never read
+        else:
+            if keys.dtype != q.dtype:  # a cache in another dtype than the model
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=li.bias)
         if self.exact_nan:
             # A query that can see a non-finite key/value row is NaN in exact arithmetic; one that
             # masks it is not (SDPA alone would leak it: masked weight 0 * NaN = NaN).
@@ -114,10 +127,23 @@ class Attention(nn.Module):
         out = out.view(B, nh, T, D).transpose(1, 2).reshape(B, T, nh * D)
         return self.o_proj(out)
 
+    def _invariant(self, q: Tensor, keys: Tensor) -> bool:
+        """Whether this call takes the batch-invariant kernel (see the class docstring)."""
+        return (self.batch_invariant is not False and q.is_cpu and q.dtype in _INVARIANT_DTYPES
+                and keys.dtype in _INVARIANT_DTYPES and not torch.compiler.is_compiling()
+                and not (q.requires_grad and torch.is_grad_enabled()) and cpu_gemm.available())
+
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up are one linear, ``gate_up_proj`` (fused at load time;
-    checkpoints keep ``gate_proj``/``up_proj``)."""
+    checkpoints keep ``gate_proj``/``up_proj``).
+
+    ``batch_invariant`` (None or True: on; ``set_batch_invariant``): on the CPU in float32 and bf16,
+    eager and without autograd, silu is ``_silu_per_element``, whose bits do not depend on where a thread's share of the
+    tensor ends.
+    """
+
+    batch_invariant: bool | None = None
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -128,7 +154,24 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        if (self.batch_invariant is not False and x.is_cpu and x.dtype in _INVARIANT_DTYPES
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            return self.down_proj(_silu_per_element(gate) * up)
         return self.down_proj(F.silu(gate) * up)
+
+
+def _silu_per_element(x: Tensor) -> Tensor:
+    """silu(x) = x / (1 + exp(-x)) in float32, rounded once to x's dtype. Shape: any -> same.
+
+    ``F.silu`` on CPU computes a vector's worth of elements with one exp and the last few of a loop
+    with another, which can differ in the last bit; with several threads a loop ends where the
+    thread's share does, which follows the tensor's size, so an element's bits would follow the
+    batch. ``exp``, the division and the add here compute every element the same way.
+    NaN stays NaN.
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf / torch.exp(-xf).add_(1)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -145,6 +188,31 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(h, li, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
+    """Switch the batch-invariant CPU routes of every ``Linear``, ``Attention`` and ``MLP`` in ``module``.
+
+    None (the default) or True: on where they run (the CPU, float32 and bf16, ``cpu_gemm.available()``);
+    False: the fastest routes, whose bits may depend on the row count, ``kv_len`` and the batch.
+    True on a module whose parameters are not on the CPU, or where the kernels cannot run, is a
+    ValueError: there is no batch-invariant route for it yet.
+    """
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"batch_invariant must be True, False or None, got {on!r}")
+    if on:
+        devices = {p.device.type for p in module.parameters()}
+        if devices - {"cpu"}:
+            raise ValueError(f"batch_invariant=True: only CPU models have batch-invariant routes, this one is on "
+                             f"{sorted(devices)} (pass None or False)")
+        if not cpu_gemm.available():
+            raise ValueError("batch_invariant=True: the CPU kernels (spec_decode.cpu.cpu_gemm) cannot run here: "
+                             "an x86-64 CPU with AVX2 and FMA and a C compiler are needed (pass None or False)")
+    for m in module.modules():
+        if isinstance(m, (Linear, Attention, MLP)):
+            m.batch_invariant = on
+        if isinstance(m, Linear):
+            m._route_by_dtype.clear()
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:

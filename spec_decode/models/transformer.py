@@ -23,7 +23,7 @@ from spec_decode.cpu import Linear
 from spec_decode.models.checkpoint import eos_ids, load_state_dict, read_eos_token_ids, save_state_dict
 from spec_decode.models.config import IGNORED_CHECKPOINT_SUFFIXES, ModelConfig, RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
-from spec_decode.models.layers import DecoderLayer, RMSNorm, set_exact_nan
+from spec_decode.models.layers import DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan
 from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
 
 
@@ -155,32 +155,47 @@ class Transformer(RopeFrequencies, nn.Module):
     # ---- checkpoints
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
-                        device: torch.device | str | None = None, exact_nan: bool | None = None) -> "Transformer":
-        """Load a HF-layout Llama/Qwen2 checkpoint directory (config.json + safetensors / sharded index / .bin).
+                        device: torch.device | str | None = None, exact_nan: bool | None = None,
+                        batch_invariant: bool | None = None) -> "Transformer":
+        """Load a Llama/Qwen2 checkpoint: a HF-layout directory (config.json + safetensors / sharded index /
+        .bin) or a ``.gguf`` file (``models.gguf``: dequantized to float, then cast to ``dtype``).
 
-        ``exact_nan``: see ``Attention``; None = on for float16 only.
-        Raises FileNotFoundError naming a missing file, ValueError naming missing/unexpected/misshaped keys.
+        ``exact_nan``: see ``Attention``; None = on for float16 only. ``batch_invariant``: see
+        ``set_batch_invariant``; None (default) = on where it runs (CPU, float32 and bf16), False = the
+        fastest routes.
+        Raises FileNotFoundError naming a missing file, ValueError naming missing/unexpected/misshaped keys
+        or the file that is unreadable.
         """
         from spec_decode.dtypes import resolve_dtype
+        from spec_decode.models.gguf import is_gguf_file, read_gguf
 
         dtype = resolve_dtype(dtype)
-        config = ModelConfig.from_pretrained(path)
-        state = load_state_dict(path)
+        if is_gguf_file(path):
+            checkpoint = read_gguf(path)
+            config, state = ModelConfig.from_hf_dict(checkpoint.config), checkpoint.state
+            eos = eos_ids(checkpoint.config.get("eos_token_id"), os.fspath(path), config.vocab_size)
+        else:
+            config, state = ModelConfig.from_pretrained(path), load_state_dict(path)
+            eos = read_eos_token_ids(path, config.vocab_size)
         model = cls.from_state_dict(config, hf_to_local_keys(state), dtype=dtype, device=device,
-                                    source=os.fspath(path))
-        model.eos_token_ids = read_eos_token_ids(path)
+                                    source=os.fspath(path), batch_invariant=batch_invariant)
+        model.eos_token_ids = eos
         set_exact_nan(model, exact_nan, dtype)
         return model
 
     @classmethod
     def from_state_dict(cls, config: ModelConfig, state: dict[str, Tensor], *, dtype: torch.dtype = torch.bfloat16,
-                        device: torch.device | str | None = None, source: str = "state dict") -> "Transformer":
-        """Build from local-key ``state`` (names without the ``model.`` prefix)."""
+                        device: torch.device | str | None = None, source: str = "state dict",
+                        batch_invariant: bool | None = None) -> "Transformer":
+        """Build from local-key ``state`` (names without the ``model.`` prefix); ``batch_invariant`` as in
+        ``from_pretrained``."""
         with torch.device("meta"):
             model = cls(config)
         assign_state(model, state, dtype=dtype, device=device, source=source)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        if batch_invariant is not None:   # None: the layers' default, on where the routes run
+            set_batch_invariant(model, batch_invariant)
         return model.eval()
 
     def save_pretrained(self, path: str | os.PathLike) -> None:

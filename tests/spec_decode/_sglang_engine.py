@@ -5,7 +5,7 @@ sends SIGQUIT to its parent::
 
     python tests/spec_decode/_sglang_engine.py SPEC.json
 
-SPEC holds ``model`` (a directory from ``write_tiny_llama``), optional ``engine_args``
+SPEC holds ``model`` (a directory from ``write_tiny_llama``, or any HF-layout checkpoint), optional ``engine_args``
 (merged over ``ENGINE_ARGS``, e.g. ``{"tp_size": 2}``), ``out`` (a JSON file the
 results are written to after every call) and ``calls``: each ``{"input_ids": [[...], ...],
 "rids": [...], "sampling_params": [{...}, ...], "stream": bool}``. A result per call:

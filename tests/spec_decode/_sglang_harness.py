@@ -279,7 +279,7 @@ def sglang_ranks_context(group, sampling_backend: str = "pytorch"):
         stack.enter_context(
             get_context().override_server_args(sampling_backend=sampling_backend, device="cpu")
         )
-        stack.enter_context(get_parallel().override(**widths, **ranks, tp_group=g, world_group=g))
+        stack.enter_context(get_parallel().override(**widths, **ranks, tp_group=g, world_group=g, pp_size=1))
         yield
 
 

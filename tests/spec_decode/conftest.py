@@ -36,6 +36,18 @@ def tiny_target(tiny_target_dir) -> Transformer:
     return Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real model's converted directory (``spec_decode.fixtures.smollm2_target_dir``); skips naming
+    the extra when the smollm2 packages are absent."""
+    from spec_decode import fixtures
+
+    try:
+        return fixtures.smollm2_target_dir()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 

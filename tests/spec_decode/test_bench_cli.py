@@ -164,6 +164,24 @@ PROBES = {
     "numerics_rows_empty_item": ("numerics", lambda fx, t: ["--rows", "8,,16"], "--rows"),
     "numerics_dtypes_twice": ("numerics", lambda fx, t: ["--dtypes", "fp32,fp32"], "--dtypes"),
     "numerics_threads_zero": ("numerics", lambda fx, t: ["--threads", "0"], "--threads"),
+    # issue 51 (hostile probes, round 3): sizes that allocate or run for as long as they say are bounded
+    "numerics_rows_past_memory": ("numerics", lambda fx, t: ["--rows", "16000000"], "--rows"),
+    "numerics_vocabs_past_memory": ("numerics", lambda fx, t: ["--vocabs", "10000000000"], "--vocabs"),
+    "numerics_min_run_time_huge": ("numerics", lambda fx, t: ["--min-run-time", "1e300"], "--min-run-time"),
+    "threads_past_the_cpus": ("", lambda fx, t: ["--threads", "1000"], "--threads"),
+    "tune_threads_past_the_cpus": ("tune", lambda fx, t: ["--threads", "1000"], "--threads"),
+    "profile_threads_past_the_cpus": ("profile", lambda fx, t: ["--threads", "1000"], "--threads"),
+    "compile_threads_past_the_cpus": ("compile", lambda fx, t: ["--threads", "1000"], "--threads"),
+    "numerics_threads_past_the_cpus": ("numerics", lambda fx, t: ["--threads", "1000"], "--threads"),
+    "out_empty": ("", lambda fx, t: ["--out", ""], "--out"),
+    "tune_out_empty": ("tune", lambda fx, t: ["--out", ""], "--out"),
+    "numerics_out_empty": ("numerics", lambda fx, t: ["--out", ""], "--out"),
+    "tune_shapes_trailing_at": ("tune", lambda fx, t: ["--shapes", "5/2/8@"], "--shapes"),
+    "prompts_dev_null": ("", lambda fx, t: ["--prompts", "/dev/null"], "--prompts"),
+    "compile_prompts_a_directory": ("compile", lambda fx, t: ["--prompts", t], "--prompts"),
+    "temperatures_zero_twice_in_float32": ("", lambda fx, t: ["--temperatures", "0,1e-46"], "--temperatures"),
+    "temperatures_past_float32": ("", lambda fx, t: ["--temperatures", "1e39"], "--temperatures"),
+    "profile_temperature_past_float32": ("profile", lambda fx, t: ["--temperature", "1e39"], "--temperature"),
 }
 
 
@@ -298,3 +316,68 @@ def test_hf_methods_without_transformers_name_the_extra(monkeypatch, capsys, no_
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--methods" in err[-1] and "transformers" in err[-1] and "safespec[bench]" in err[-1]
+
+
+# ---------------------------------------------------------------- issue 51: hostile probes, round 3
+@pytest.mark.parametrize("sub, name", [("", "results.json"), ("", "results.png"), ("tune", "tune.json"),
+                                       ("numerics", "numerics.json")])
+def test_a_directory_where_a_result_goes_exits_2_before_any_work(fx, tmp_path, capsys, no_work, sub, name):
+    """A directory named like the run's output file inside --out failed only after the whole run was measured."""
+    (tmp_path / "out" / name).mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in _base(sub, fx, tmp_path)])
+    assert exc.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "--out" in errors[0] and name in errors[0], errors
+
+
+def test_prompts_that_are_not_a_regular_file_say_so(fx, tmp_path, capsys, no_work):
+    with pytest.raises(SystemExit):
+        main([str(a) for a in _base("", fx, tmp_path)] + ["--prompts", "/dev/null"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "not a regular file" in line and "no file at" not in line, line
+
+
+@pytest.mark.parametrize("sub", ["compile", "gemm"])
+def test_a_bad_fixtures_variable_is_named_not_a_download(tmp_path, monkeypatch, capsys, no_work, sub):
+    """The default paths come from $SAFESPEC_FIXTURES_DIR: its value is at fault, not a missing download."""
+    monkeypatch.setenv("SAFESPEC_FIXTURES_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(SystemExit) as exc:
+        main([sub, "--num-prompts", "1"])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--target" in line and "SAFESPEC_FIXTURES_DIR" in line and "download" not in line, line
+
+
+def test_profile_json_that_cannot_be_written_exits_2_naming_it(fx, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    inputs = [str(a) for a in _inputs(fx)]
+    with pytest.raises(SystemExit) as exc:
+        main(["profile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "2", "--threads", "1",
+                                     "--json", "/dev/full"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "--json /dev/full" in captured.err.strip().splitlines()[-1]
+    assert "verify_forward" in captured.out   # the split it measured was printed before the write failed
+
+
+def test_a_temperature_that_is_0_in_float32_is_greedy_on_the_command_line():
+    """``1e-46`` is 0 in float32, as the library holds temperatures: the CLI takes it as 0 (greedy), so the
+    bench neither seeds it nor asks HF to sample, and ``profile`` reports temperature 0."""
+    from spec_decode.bench.args import nonneg_float
+    from spec_decode.bench.profile_step import build_parser as profile_parser
+    from spec_decode.bench.side_by_side import build_parser as bench_parser
+
+    assert nonneg_float("1e-46") == 0.0 and nonneg_float("1e-30") == 1e-30
+    assert bench_parser().parse_args(["--temperatures", "1e-46,1"]).temperatures == (0.0, 1.0)
+    assert profile_parser().parse_args(["--temperature", "1e-46"]).temperature == 0.0
+
+
+@pytest.mark.parametrize("sub", ["compile", "gemm"])
+def test_dtype_help_names_every_dtype_accepted(capsys, sub):
+    with pytest.raises(SystemExit):
+        main([sub, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "fp32, bf16, fp16" in text and "fp32 or bf16" not in text

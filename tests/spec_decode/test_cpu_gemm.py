@@ -187,7 +187,7 @@ def test_a_failed_build_warns_and_linear_falls_back(monkeypatch, tmp_path, fresh
         PanelWeight(torch.randn(16, 8))
     lin = Linear(8, 16).requires_grad_(False)
     x = torch.randn(3, 8)
-    with torch.inference_mode():
+    with torch.inference_mode(), pytest.warns(RuntimeWarning, match="batch-invariant projections need"):
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
     assert "_panel" not in lin.__dict__
 

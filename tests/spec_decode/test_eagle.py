@@ -507,11 +507,15 @@ def test_eagle3_bias_flag_and_fc_bias_key_must_agree(target, tmp_path):
 # projections of 1,024+ outputs over 2+ rows run packed through oneDNN (spec_decode.cpu.Linear), which
 # AVX2 CPUs do not use, and AVX2 emulates bf16 matmuls; this head's AVX2 bits are not recorded, so there
 # only the reference comparison is checked.
-SHIPPED_EAGLE3_CHECKSUMS = {
-    ("avx512_bf16", torch.float32): {"fuse": "00027d925d44d9d4", "logits": "551e256a713e3e7c",
-                                     "hidden": "441f94b0f2f17ca2"},
-    ("avx512_bf16", torch.bfloat16): {"fuse": "67e98c420f575a22", "logits": "5c6fa859287075fc",
-                                      "hidden": "0f67542361a1225a"},
+SHIPPED_EAGLE3_CHECKSUMS = {   # (CPU kind, batch-invariant routes, dtype): the fastest routes, then the default
+    ("avx512_bf16", False, torch.float32): {"fuse": "00027d925d44d9d4", "logits": "551e256a713e3e7c",
+                                            "hidden": "441f94b0f2f17ca2"},
+    ("avx512_bf16", False, torch.bfloat16): {"fuse": "67e98c420f575a22", "logits": "5c6fa859287075fc",
+                                             "hidden": "0f67542361a1225a"},
+    ("avx512_bf16", True, torch.float32): {"fuse": "3aef73c7a3cd2ec4", "logits": "54b3436a010e58f5",
+                                           "hidden": "95ea84a78ecb31ff"},
+    ("avx512_bf16", True, torch.bfloat16): {"fuse": "2379cf02314fb215", "logits": "55b3b125fb2d4dda",
+                                            "hidden": "18c451e79d416a34"},
 }
 
 
@@ -530,23 +534,30 @@ def _sha16(t):
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shipped_eagle3_head_outputs_are_unchanged(safespec_fixtures_dir, dtype):
+@pytest.mark.parametrize("invariant", [False, True], ids=["fastest_routes", "batch_invariant"])
+def test_shipped_eagle3_head_outputs_are_unchanged(safespec_fixtures_dir, dtype, invariant):
     """The shipped head (aux ids [1, 5, 11], already sorted) drafts exactly as recorded, bit for bit.
 
     Bits depend on the CPU kernels, so the checksums are compared on the torch build and the CPU kinds
     they were recorded with; everywhere the outputs are compared with an independent reference forward.
     """
     from safetensors.torch import load_file
+    from spec_decode.cpu import cpu_gemm
+    from spec_decode.models import set_batch_invariant
 
-    tgt = Transformer.from_pretrained(safespec_fixtures_dir / "models/tiny-target", dtype=dtype)
+    if invariant and not cpu_gemm.available():
+        pytest.skip("the batch-invariant routes need cpu_gemm")
+    tgt = Transformer.from_pretrained(safespec_fixtures_dir / "models/tiny-target", dtype=dtype,
+                                      batch_invariant=invariant)
     path = safespec_fixtures_dir / "models/tiny-eagle3"
     head = load_drafter(path, tgt, method="eagle3")
+    set_batch_invariant(head, invariant)
     assert head.aux_layers == (1, 5, 11)
     ids = torch.arange(1, 13)[None] * 37 % 4096
     ids = torch.cat([ids, ids.flip(1)])
     feats = head.features(tgt(ids, tgt.new_cache(2, 16), aux_layers=head.aux_layers))
     out = head(ids, feats, head.new_cache(2, 16))
-    recorded = SHIPPED_EAGLE3_CHECKSUMS.get((_cpu_kernel_kind(), dtype))
+    recorded = SHIPPED_EAGLE3_CHECKSUMS.get((_cpu_kernel_kind(), invariant, dtype))
     if torch.__version__ == "2.13.0+cpu" and recorded is not None:
         got = {"fuse": _sha16(feats), "logits": _sha16(out.logits), "hidden": _sha16(out.hidden)}
         assert got == recorded

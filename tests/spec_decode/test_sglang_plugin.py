@@ -246,6 +246,94 @@ def test_abort_and_guard_add_no_host_sync(sampler, monkeypatch, policy):
     assert reads.copied == ["tolist"] * (2 if policy in ("abort", "guard") else 1)
 
 
+class _AllReduceSpy:
+    """Counts ``torch.distributed.all_reduce`` calls (and pretends a group of two ranks, or one)."""
+
+    def __init__(self, monkeypatch, world_size):
+        import torch.distributed as dist
+
+        self.calls = []
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: world_size)
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None, **_: self.calls.append(group))
+
+
+def _watermark_logprob_step(sampler, logits, reqs):
+    """``ModelRunner.sample`` with a watermark and ``return_logprob``: SGLang's ``Sampler.forward``
+    then preprocesses two tensors (the watermarked logits, then the pre-watermark ones for logprobs)."""
+    runner = make_model_runner(sampler)
+    runner.watermark_state = types.SimpleNamespace(init_from_prompt=lambda *a, **k: None,
+                                                   force=lambda logits, *a, **k: logits.add_(0.5),
+                                                   append=lambda *a, **k: None)
+    rids = [req.rid for req in reqs]
+    info = make_sampling_info(len(rids), VOCAB, greedy=True)
+    info.has_watermark_candidates = True
+    forward_batch = make_forward_batch(info, rids)
+    forward_batch.return_logprob = True
+    forward_batch.top_logprobs_nums = [0] * len(rids)
+    forward_batch.token_ids_logprobs = [None] * len(rids)
+    forward_batch.req_pool_indices = torch.arange(len(rids))
+    forward_batch.watermark_prompt_tail_ids = forward_batch.watermark_context_hash_history = None
+    logits_output = LogitsProcessorOutput(next_token_logits=logits)
+    next_token_ids = ModelRunner.sample(runner, logits_output, forward_batch)
+    result = GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids, copy_done=CopyDone())
+    result.copy_to_cpu(return_logprob=False)
+    registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, types.SimpleNamespace(reqs=reqs), result)
+    return logits_output
+
+
+@pytest.mark.parametrize("policy", ["guard", "abort", "raise"])
+def test_sampler_counts_once_per_call_with_watermark_and_logprobs(sampler, monkeypatch, policy):
+    """Two ``_preprocess_logits`` calls in one ``Sampler.forward``: one count, one all-reduce."""
+    sampler.tp_sync_group = "tp-group"  # two ranks (the spy): the reduction is issued
+    spy = _AllReduceSpy(monkeypatch, world_size=2)
+    calls = []
+    original = Sampler._preprocess_logits
+
+    def preprocess(self, logits, sampling_info):
+        calls.append(logits.data_ptr())
+        return original(self, logits, sampling_info)
+
+    monkeypatch.setattr(Sampler, "_preprocess_logits", preprocess)  # SGLang's own, below the hook
+    reqs = [make_req(rid) for rid in RIDS]
+    with applied_plugin(policy):
+        if policy == "raise":  # clean logits: both tensors are preprocessed, nothing raises
+            _watermark_logprob_step(sampler, _logits(3, {}), reqs)
+            assert len(calls) == 2 and spy.calls == ["tp-group"]
+            return
+        logits_output = _watermark_logprob_step(sampler, _dead_and_partial_logits(), reqs)
+    assert len(calls) == 2 and calls[0] != calls[1], "SGLang preprocessed both tensors"
+    assert spy.calls == ["tp-group"], "one all-reduce per sampler call"
+    assert torch.isfinite(logits_output.next_token_logprobs).all()  # the logprob tensor was sanitized too
+    aborted = {req.rid for req in reqs if isinstance(req.finished_reason, FINISH_ABORT)}
+    assert aborted == ({"req-a", "req-b"} if policy == "abort" else {"req-b"})
+
+
+@pytest.mark.parametrize("site", ["sampler", "verify"])
+def test_one_rank_issues_no_collective_and_adds_no_host_sync(sampler, monkeypatch, site):
+    """Single process: the plugin issues no collective and reads nothing on the host (counted)."""
+    import torch.distributed as dist
+
+    issued = []
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "monitored_barrier"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: issued.append(_name))
+    reads = HostReads().install(monkeypatch)
+    reqs = [make_req(rid) for rid in RIDS]
+    if site == "sampler":
+        with applied_plugin("guard"):
+            decode_step(sampler, _dead_and_partial_logits(), reqs)
+            from sglang.srt.runtime_context import get_parallel
+
+            with get_parallel().override(world_group=types.SimpleNamespace(cpu_group=None), pp_size=1):
+                registered_hook(sglang_plugin.RANKS_TARGET)(None, object())  # the start-up check: one rank, nothing
+        assert [r.rid for r in reqs if r.finished()] == ["req-b"]
+    else:
+        reqs = _verify_step("guard", {3: 1}, dead_rows=(8,))[0]
+        assert [r.rid for r in reqs if r.finished()] == ["req-c"]
+    assert issued == []
+    assert reads.device == [], f"host syncs: {reads.device}"
+
+
 def test_raise_keeps_its_one_host_sync(sampler, monkeypatch):
     reads = HostReads().install(monkeypatch)
     with applied_plugin("raise"), pytest.raises(NanLogitsError):
@@ -419,7 +507,7 @@ def test_verify_hook_is_applied_where_eagle_verify_calls_it():
 
 
 @pytest.mark.parametrize("target", ["HOOK_TARGETS", "REQUIRED_SYMBOLS"])
-def test_missing_symbol_refuses_and_applies_nothing(monkeypatch, target):
+def test_missing_symbol_refuses_and_applies_only_the_start_up_check(monkeypatch, target):
     if target == "HOOK_TARGETS":
         from sglang.srt.speculative import eagle_utils
 
@@ -431,19 +519,29 @@ def test_missing_symbol_refuses_and_applies_nothing(monkeypatch, target):
         monkeypatch.setattr(common, "release_kv_cache", lambda req, tree_cache, *, checkpoint: None)
         expected = "release_kv_cache no longer reads .skip_radix_cache_insert"
     sampler_fn = Sampler.__dict__["_preprocess_logits"]
-    HookRegistry.reset()
-    with pytest.raises(sglang_plugin.SGLangPluginError, match="nothing applied") as info:
-        sglang_plugin.register("abort")
-    HookRegistry.apply_hooks()
-    assert expected in str(info.value)
-    assert dict(HookRegistry._hooks) == {}
-    assert Sampler.__dict__["_preprocess_logits"] is sampler_fn
+    with restoring_hook_targets():
+        with pytest.raises(sglang_plugin.SGLangPluginError, match="no NaN policy applied") as info:
+            sglang_plugin.register("abort")
+        HookRegistry.apply_hooks()
+        assert expected in str(info.value)
+        # The rank still reports to the start-up check, naming why it refused.
+        assert set(HookRegistry._hooks) == {sglang_plugin.RANKS_TARGET}
+        assert Sampler.__dict__["_preprocess_logits"] is sampler_fn
+        seen = {}
+        monkeypatch.setattr(sglang_plugin, "check_ranks_agree", lambda config, group: seen.update(config))
+        from sglang.srt.runtime_context import get_parallel
+
+        with get_parallel().override(world_group=types.SimpleNamespace(cpu_group="world"), pp_size=2):
+            registered_hook(sglang_plugin.RANKS_TARGET)(None, object())
+    assert seen["policy"].startswith("refused: missing ") and expected in seen["policy"]
 
 
-def test_off_policy_registers_nothing_and_env_selects_policy(monkeypatch):
-    HookRegistry.reset()
-    assert sglang_plugin.register("off") is None
-    assert dict(HookRegistry._hooks) == {}
+def test_off_policy_registers_only_the_start_up_check_and_env_selects_policy(monkeypatch):
+    with restoring_hook_targets():
+        state = sglang_plugin.register("off")
+        assert state.policy is NanPolicy.OFF
+        assert set(HookRegistry._hooks) == {sglang_plugin.RANKS_TARGET}  # reports policy=off to the other ranks
+        assert sglang_plugin.rank_config(state)["policy"] == "off"
     monkeypatch.setenv("SAFESPEC_NAN_POLICY", "raise")
     with restoring_hook_targets():
         state = sglang_plugin.register()

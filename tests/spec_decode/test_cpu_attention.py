@@ -1,0 +1,105 @@
+"""Tests for spec_decode.cpu.attention: the batch-invariant attention kernel against its torch reference.
+
+``reference_attention`` emulates the kernel's arithmetic (lane-ordered FMA dot products, its exp
+polynomial, key-ordered sums), so the two agree on every bit over odd shapes, both dtypes, strided
+inputs and NaN placements. Against SDPA (another order) they agree to rounding. A row's bits depend
+only on its own query and visible keys: not on the padded key count, the other rows, or the batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spec_decode.cpu import cpu_gemm
+from spec_decode.cpu.attention import invariant_attention, reference_attention, reference_exp
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel needs cpu_gemm (x86-64, AVX2, a C compiler)")
+
+SHAPES = [(1, 1, 1, 1, 8), (2, 2, 6, 37, 32), (1, 3, 5, 20, 13), (2, 1, 3, 9, 64), (1, 2, 18, 70, 7), (3, 1, 1, 5, 40)]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+          (torch.float32, torch.bfloat16)]
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal dtype and bits, NaN included (any NaN payload counts as the same NaN; bf16 widens exactly)."""
+    bits = lambda t: t.float().nan_to_num(0.0).view(torch.int32)
+    return (got.shape == want.shape and got.dtype == want.dtype and torch.equal(got.isnan(), want.isnan())
+            and torch.equal(bits(got), bits(want)))
+
+
+def _operands(B, H, R, S, D, q_dtype, kv_dtype, extra=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, R, D, generator=g) * 2).to(q_dtype)
+    k = (torch.randn(B, H, S + extra, D, generator=g) * 2).to(kv_dtype)
+    v = torch.randn(B, H, S + extra, D, generator=g).to(kv_dtype)
+    mask = torch.rand(B, 1, R, S, generator=g) < 0.6
+    mask[..., 0] = True   # every row sees a key, as the model's masks guarantee (its own row)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("B,H,R,S,D", SHAPES)
+@pytest.mark.parametrize("q_dtype,kv_dtype", DTYPES)
+def test_kernel_equals_its_reference_bit_for_bit(B, H, R, S, D, q_dtype, kv_dtype):
+    q, k, v, mask = _operands(B, H, R, S, D, q_dtype, kv_dtype)
+    scale = D ** -0.5
+    got = invariant_attention(q, k, v, mask, scale)
+    assert _same_bits(got, reference_attention(q, k, v, mask, scale).to(q_dtype))
+    want = F.scaled_dot_product_attention(q.float(), k[:, :, :S].float(), v[:, :, :S].float(), attn_mask=mask)
+    torch.testing.assert_close(got.float(), want, rtol=1e-5 if q_dtype == torch.float32 else 2e-2,
+                               atol=1e-5 if q_dtype == torch.float32 else 2e-2)
+
+
+def test_strided_inputs_give_the_contiguous_bits():
+    """The model passes a cache's first rows, a transposed q and masks cut from a wider buffer."""
+    q, k, v, mask = _operands(2, 2, 6, 20, 32, torch.bfloat16, torch.bfloat16, extra=11)
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)          # rows strided
+    wide = torch.zeros(2, 1, 6, 40, dtype=torch.bool)
+    wide[..., :20] = mask
+    got = invariant_attention(qt, k, v, wide[..., :20], 0.125)
+    assert _same_bits(got, invariant_attention(q, k[:, :, :20].contiguous(), v[:, :, :20].contiguous(), mask, 0.125))
+
+
+def test_a_row_depends_on_its_visible_keys_only():
+    """Padding keys (masked, any values), other rows and other batch entries change no bit of a row."""
+    q, k, v, mask = _operands(2, 2, 6, 30, 32, torch.bfloat16, torch.bfloat16, extra=40)
+    base = invariant_attention(q, k, v, mask, 0.2)
+    # the same rows over 70 keys, the 40 extra ones masked and filled with garbage (NaN included)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 30:] = float("nan")
+    v2[:, :, 30:] = 1e30
+    padded = torch.zeros(2, 1, 6, 70, dtype=torch.bool)
+    padded[..., :30] = mask
+    assert _same_bits(invariant_attention(q, k2, v2, padded, 0.2), base)
+    # one row alone, and one batch entry alone
+    assert _same_bits(invariant_attention(q[:, :, 3:4], k, v, mask[:, :, 3:4], 0.2), base[:, :, 3:4])
+    assert _same_bits(invariant_attention(q[1:], k[1:], v[1:], mask[1:], 0.2), base[1:])
+
+
+def test_a_visible_nan_reaches_exactly_the_rows_that_see_it():
+    q, k, v, mask = _operands(1, 1, 4, 6, 16, torch.float32, torch.float32, extra=0)
+    mask[:] = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0]],
+                           dtype=torch.bool)
+    k[0, 0, 1, 3] = float("nan")     # key 1: seen by rows 1 and 3
+    v[0, 0, 2, 5] = float("nan")     # value 2: seen by row 2
+    v[0, 0, 4:] = float("nan")       # keys no row sees
+    got = invariant_attention(q, k, v, mask, 0.25)
+    assert got.isnan().any(-1)[0, 0].tolist() == [False, True, True, True]
+    assert _same_bits(got, reference_attention(q, k, v, mask, 0.25))
+
+
+def test_exp_is_close_to_torch_exp():
+    x = torch.linspace(-87, 0, 200001)
+    rel = ((reference_exp(x).double() - x.double().exp()) / x.double().exp()).abs().max().item()
+    assert rel < 2e-7
+    assert reference_exp(torch.tensor([float("nan")])).isnan().all()
+
+
+def test_bad_inputs_are_named():
+    q, k, v, mask = _operands(1, 1, 2, 4, 8, torch.float32, torch.float32)
+    with pytest.raises(ValueError, match="invariant_attention"):
+        invariant_attention(q.half(), k, v, mask, 1.0)
+    with pytest.raises(ValueError, match="invariant_attention"):
+        invariant_attention(q, k, v.bfloat16(), mask, 1.0)
+    with pytest.raises(ValueError, match="invariant_attention"):
+        invariant_attention(q, k, v, mask[..., None], 1.0)

@@ -1,0 +1,162 @@
+"""fixtures/make_smollm2_heads.py end to end at a tiny size, against the shipped tiny target.
+
+Prompts (disjoint from the evaluation sets), data shards (the target's own greedy continuations,
+resumed shard by shard, the same bits from the seed), the draft vocabulary, EAGLE-3 training (an
+interrupted run resumes to the same weights as an uninterrupted one) and the export (a loadable
+bf16 head with its MANIFEST.json entry).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from spec_decode import SpecDecoder
+from spec_decode.models import Eagle3Head, Transformer, load_drafter
+
+SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
+ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
+
+
+def _load_script():
+    name = "make_smollm2_heads"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module   # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def msh():
+    return _load_script()
+
+
+@pytest.fixture(scope="module")
+def target(safespec_tiny_target_path):
+    return Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def build(msh, safespec_tiny_target_path, tmp_path_factory):
+    """Run every stage at a tiny size; return (run, work dir) where run(*argv) calls main."""
+    root = tmp_path_factory.mktemp("smollm2_heads")
+    files = msh.mf.list_corpus_files()
+    patch = pytest.MonkeyPatch()
+    patch.setattr(msh.mf, "list_corpus_files", lambda: files[::25])   # a slice of the stdlib: fast
+
+    def run(*argv, work=root / "work"):
+        return msh.main([*argv, "--target", str(safespec_tiny_target_path), "--work-dir", str(work),
+                         "--out-dir", str(root / "models" / "head"), "--shard-rows", str(ROWS),
+                         "--new-tokens", str(NEW_TOKENS), "--draft-vocab-size", str(VOCAB),
+                         "--steps", str(STEPS), "--threads", str(torch.get_num_threads())])
+
+    assert run("prompts") == 0
+    assert run("data", "--shards", "1") == 0
+    first = (root / "work" / "data" / "train-00000" / "meta.json").stat().st_mtime_ns
+    assert run("data", "--shards", "2") == 0   # resumes: only the new shard is generated
+    assert (root / "work" / "data" / "train-00000" / "meta.json").stat().st_mtime_ns == first
+    assert run("vocab") == 0
+    yield run, root
+    patch.undo()
+
+
+def test_training_prompts_are_not_evaluation_prompts(msh, build):
+    _, root = build
+    prompts = msh.read_prompts(msh.Work(root / "work", Path(), Path(), msh.SEED))
+    banned = msh.evaluation_texts()
+    assert {p["kind"] for p in prompts} == {"code", "chat"}
+    assert not [p for p in prompts if msh._normalize(p["text"]) in banned]
+    names = msh.humaneval_names()
+    assert not [p for p in prompts if p["kind"] == "code" and any(f"`{n}(" in p["text"] for n in names)]
+
+
+def test_training_prompts_are_seeded(msh):
+    a, b = msh.training_prompts(7)[:50], msh.training_prompts(7)[:50]
+    assert a == b and a != msh.training_prompts(8)[:50]
+
+
+def test_shards_hold_the_targets_own_greedy_continuations(msh, build, target):
+    _, root = build
+    shard = msh.read_shard(root / "work" / "data" / "train-00000")
+    offsets, plens = shard["offsets"], shard["prompt_lens"]
+    n = int(offsets[-1])
+    H = target.config.hidden_size
+    assert shard["ids"].shape == (n,) and shard["aux"].shape == (n, 3 * H)
+    assert shard["topk_ids"].shape == shard["topk_lp"].shape == (n, msh.DataRecipe().top_k)
+    assert shard["temperatures"].tolist() == [0.0, 1.0] * (ROWS // 2)
+    aux_layers = msh.aux_layers_of(target)
+    for r in range(ROWS):
+        row = torch.from_numpy(np.asarray(shard["ids"][offsets[r]: offsets[r + 1]], dtype=np.int64))
+        P = int(plens[r])
+        assert len(row) == P + NEW_TOKENS
+        with torch.no_grad():
+            out = target(row[None], target.new_cache(1, len(row)), aux_layers=aux_layers)
+        aux = torch.from_numpy(np.asarray(shard["aux"][offsets[r]: offsets[r + 1]], dtype=np.float32))
+        torch.testing.assert_close(aux, torch.cat(out.aux_hidden, -1)[0], atol=2e-2, rtol=1e-2)
+        top = torch.from_numpy(np.asarray(shard["topk_ids"][offsets[r]: offsets[r + 1], 0], dtype=np.int64))
+        assert torch.equal(top, out.logits[0].argmax(-1))   # the recorded teacher is the target's argmax
+        if shard["temperatures"][r] == 0:
+            (ar,) = SpecDecoder(target, None, method="none").generate([row[:P].tolist()], max_new_tokens=NEW_TOKENS,
+                                                                      ignore_eos=True)
+            assert row[P:].tolist() == ar.token_ids
+
+
+def test_a_shard_is_the_same_bits_from_the_seed(build):
+    run, root = build
+    again = root / "again"
+    again.mkdir()
+    shutil.copy(root / "work" / "prompts.jsonl", again / "prompts.jsonl")
+    assert run("data", "--shards", "1", work=again) == 0
+    for name in ("ids", "aux", "topk_ids", "topk_lp", "temperatures"):
+        a = (root / "work" / "data" / "train-00000" / f"{name}.npy").read_bytes()
+        assert (again / "data" / "train-00000" / f"{name}.npy").read_bytes() == a, name
+
+
+def test_draft_vocabulary_and_coverage(msh, build):
+    _, root = build
+    stats = json.loads((root / "work" / "stats" / "vocab.json").read_text())
+    ids = np.load(root / "work" / "draft_vocab.npy")
+    assert len(ids) == VOCAB == stats["draft_vocab_size"] and (np.diff(ids) > 0).all()
+    assert 0 < stats["heldout_coverage"] <= 1 and stats["train_coverage"] >= stats["heldout_coverage"] - 0.2
+
+
+def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, target):
+    run, root = build
+    work = root / "work"
+    fresh = root / "fresh"
+    shutil.copytree(work, fresh)
+    assert run("eagle3", "--max-minutes", "1e-6") == 3   # stops after one step, with a checkpoint
+    assert (work / "ckpt" / "eagle3.pt").is_file() and not (work / "eagle3").exists()
+    assert run("eagle3") == 0
+    assert run("eagle3", work=fresh) == 0
+    a = (work / "eagle3" / "model.safetensors").read_bytes()
+    assert (fresh / "eagle3" / "model.safetensors").read_bytes() == a
+    stats = json.loads((work / "stats" / "eagle3.json").read_text())
+    assert stats["steps_run"] == STEPS and stats["runs"] == 2 and 0 <= stats["heldout_step1_agreement"] <= 1
+
+    assert run("export") == 0
+    out = root / "models" / "head"
+    head = load_drafter(out, target, method="eagle3")
+    assert isinstance(head, Eagle3Head) and head.draft_vocab_size == VOCAB and head.dtype == torch.float32
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert (out / "model.safetensors").stat().st_size < msh.MAX_HEAD_BYTES
+    manifest = json.loads((root / "models" / "MANIFEST.json").read_text())
+    entry = manifest[msh.MANIFEST_KEY]["head"]
+    assert entry["eagle3"]["steps_run"] == STEPS and entry["data"]["train_shards"] == 2
+    for name in ("config.json", "model.safetensors"):
+        listed = manifest["files"][f"models/head/{name}"]
+        assert listed["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+    prompts = [[5, 17, 300, 2], [40, 41]]
+    want = SpecDecoder(target, None, method="none").generate(prompts, max_new_tokens=16, ignore_eos=True)
+    got = SpecDecoder(target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
+        prompts, max_new_tokens=16, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
