@@ -11,7 +11,11 @@ Steps (each prints PASS/FAIL; the exit code is the number of failures):
    skips, naming the reason, when flashinfer is absent) and ``tests/numerics/test_numerics_cuda_sync.py``,
    when run from a source checkout;
 4. ``bench``: a small bf16 end-to-end run (2 prompts x 16 tokens; ar, eagle_tree, eagle3_tree)
-   whose NaN-policy stage asserts a sync-free numerics pass inside the real pipeline.
+   whose NaN-policy stage asserts a sync-free numerics pass inside the real pipeline;
+5. ``invariant``: the batch-invariant CUDA halves (``spec_decode.cuda``), compiled for real: each row
+   of ``invariant_linear`` and of ``invariant_attention`` gives the same bits alone as in a block, both
+   agree with their torch references to float32 rounding, and their time against ``F.linear`` and
+   SDPA at a verify shape is printed (``check_invariant_kernels``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,64 @@ def check_triton_matches_torch(device: torch.device) -> None:
             assert torch.equal(ca, cb), f"{dtype} {rows}x{vocab}: counts {ca.tolist()} != {cb.tolist()}"
             bits = torch.int16 if dtype != torch.float32 else torch.int32
             assert torch.equal(a.view(bits), b.view(bits)), f"{dtype} {rows}x{vocab}: sanitized bits differ"
+
+
+def _cuda_ms(fn, repeats: int = 50) -> float:
+    """Median ms of ``fn()`` on the current CUDA stream (events around each call, after a warm-up)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def check_invariant_rows(device: torch.device, rows: int = 6, width: int = 576, out: int = 1536,
+                         keys: int = 300) -> tuple:
+    """Each row of ``invariant_linear`` and ``invariant_attention`` gives the same bits alone as in a block
+    of ``rows``, and both agree with their torch references to float32 rounding, in bf16 and float32.
+    AssertionError naming the kernel, dtype and row otherwise. Returns the last dtype's inputs
+    (x, w, q, keys and values, mask) for timing."""
+    from spec_decode.cuda.invariant_attention import invariant_attention, invariant_attention_reference
+    from spec_decode.cuda.invariant_linear import invariant_linear, invariant_linear_reference
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(rows, width, generator=g).to(device, dtype)
+        w = (torch.randn(out, width, generator=g) / width ** 0.5).to(device, dtype)
+        block = invariant_linear(x, w)
+        for r in range(rows):
+            assert torch.equal(invariant_linear(x[r:r + 1], w), block[r:r + 1]), f"linear {dtype}: row {r} differs"
+        torch.testing.assert_close(block, invariant_linear_reference(x, w).to(dtype))   # dtype's tolerance
+        q = torch.randn(1, 3, rows, 64, generator=g).to(device, dtype)
+        kv = [torch.randn(1, 3, keys, 64, generator=g).to(device, dtype) for _ in range(2)]
+        mask = torch.ones(1, 1, rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
+        att = invariant_attention(q, *kv, mask, 0.125)
+        for r in range(rows):
+            one = invariant_attention(q[:, :, r:r + 1], *kv, mask[:, :, r:r + 1], 0.125)
+            assert torch.equal(one, att[:, :, r:r + 1]), f"attention {dtype}: row {r} differs"
+        torch.testing.assert_close(att, invariant_attention_reference(q, *kv, mask, 0.125).to(dtype))
+    return x, w, q, kv, mask
+
+
+def check_invariant_kernels(device: torch.device, rows: int = 6) -> None:
+    """``check_invariant_rows`` at SmolLM2's shapes, then the kernels' time at a verify block of ``rows``
+    tokens against ``F.linear`` and SDPA (printed)."""
+    import torch.nn.functional as F
+
+    from spec_decode.cuda.invariant_attention import invariant_attention
+    from spec_decode.cuda.invariant_linear import invariant_linear
+
+    x, w, q, kv, mask = check_invariant_rows(device, rows)
+    lin = _cuda_ms(lambda: invariant_linear(x, w)) / _cuda_ms(lambda: F.linear(x, w))
+    sdpa = _cuda_ms(lambda: invariant_attention(q, *kv, mask, 0.125)) / _cuda_ms(
+        lambda: F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask, scale=0.125))
+    print(f"  invariant fp32, {rows} rows: linear {tuple(w.shape)} {lin:.2f}x F.linear, attention over "
+          f"{mask.shape[-1]} keys {sdpa:.2f}x SDPA", flush=True)
 
 
 def _step(name: str, fn) -> bool:
@@ -94,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ok.append(_step("bench", lambda: bench_main(
         ["--num-prompts", "2", "--max-new-tokens", "16", "--methods", "ar,eagle_tree,eagle3_tree",
          "--temperatures", "0", "--dtype", "bf16", "--nan-rounds", "1", "--out", str(args.out)])))
+    ok.append(_step("invariant", lambda: check_invariant_kernels(device)))
     failures = ok.count(False)
     print(f"gpu-check: {len(ok) - failures}/{len(ok)} steps passed")
     return failures

@@ -116,13 +116,147 @@ __attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, c
     }
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * The same projection on AVX-512F CPUs: a panel of 16 outputs is one zmm register, so each row and panel
+ * takes one 16-lane FMA per k where the AVX2 path takes two 8-lane ones, and the 32 registers let up to
+ * MAX_BLOCK_ROWS_512 rows share every loaded weight vector. Lanes run across outputs only: each output
+ * still starts at bias (or 0) and takes acc = fma(x[m, k], W[n, k], acc) for k = 0, 1, ..., K - 1 in that
+ * order, one rounding per FMA, so it gives the AVX2 path's bits (and reference_panel_linear's) exactly.
+ * Chosen at run time (safespec_panel_isa) when the CPU and OS support AVX-512F; the AVX2 path is unchanged.
+ */
+#ifndef MAX_BLOCK_ROWS_512
+#define MAX_BLOCK_ROWS_512 8
+#endif
+#define MAX_PANELS_512 8
+
+/* Sixteen weights from element i of the panels, as float32 (bf16 widened exactly, as load_w). */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512
+load_w16(const void *panels, size_t i, const int WB) {
+    if (WB) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panels + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)panels + i);
+}
+
+/* R rows x P panels of accumulators: R * P zmm registers (at most 24 of the 32). WB: bf16 panels. */
+__attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
+micro512(const int R, const int P, const int WB, int K, int N, const float *x, const void *panels,
+         const float *bias, float *y, int panel0, int num_panels) {
+    __m512 acc[12][MAX_PANELS_512];
+    for (int p = 0; p < P; p++) {
+        __m512 b0 = bias ? _mm512_loadu_ps(bias + (size_t)(panel0 + p) * PANEL) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r][p] = b0;
+    }
+    /* the panels after this call's, one call ahead (see micro: a single stream leaves bandwidth idle) */
+    const char *next = (const char *)panels + ((size_t)(panel0 + P) * K * PANEL << (WB ? 1 : 2));
+    const int prefetch = R >= 4 && panel0 + P < num_panels;   /* as micro: fewer rows measured slower with it */
+    const int ahead = num_panels - panel0 - P < P ? num_panels - panel0 - P : P;
+    for (int k = 0; k < K; k++) {
+        size_t w = ((size_t)panel0 * K + k) * PANEL;
+        if (prefetch && (!WB || (k & 1) == 0))
+            for (int p = 0; p < ahead; p++)
+                _mm_prefetch(next + (((size_t)p * K + k) * PANEL << (WB ? 1 : 2)), _MM_HINT_T0);
+        __m512 wv[MAX_PANELS_512];
+        for (int p = 0; p < P; p++) wv[p] = load_w16(panels, w + (size_t)p * K * PANEL, WB);
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(x[(size_t)r * K + k]);
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+        }
+    }
+    for (int p = 0; p < P; p++) {
+        int n0 = (panel0 + p) * PANEL;
+        int valid = N - n0 < PANEL ? N - n0 : PANEL;
+        __mmask16 keep = (__mmask16)((1u << valid) - 1u);   /* the zero-padded last panel: its real columns */
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (size_t)r * N + n0, keep, acc[r][p]);
+    }
+}
+
+/* Panels per call for a block of R rows: R * P accumulators plus P weight vectors within the registers. */
+#ifndef WIDE_PANELS_512
+#define WIDE_PANELS_512(R) ((R) <= 6 ? 4 : 3)
+#endif
+
+#define ROW_BLOCK_512(R, WB)                                                                  \
+    do {                                                                                      \
+        int p = 0;                                                                            \
+        for (; p + WIDE_PANELS_512(R) <= num_panels; p += WIDE_PANELS_512(R))                 \
+            micro512(R, WIDE_PANELS_512(R), WB, K, N, x, panels, bias, y, p, num_panels);     \
+        for (; p < num_panels; p++) micro512(R, 1, WB, K, N, x, panels, bias, y, p, num_panels); \
+    } while (0)
+
+#define ROW_BLOCKS_512(WB)                      \
+    switch (R) {                                \
+    case 1: ROW_BLOCK_512(1, WB); break;        \
+    case 2: ROW_BLOCK_512(2, WB); break;        \
+    case 3: ROW_BLOCK_512(3, WB); break;        \
+    case 4: ROW_BLOCK_512(4, WB); break;        \
+    case 5: ROW_BLOCK_512(5, WB); break;        \
+    case 6: ROW_BLOCK_512(6, WB); break;        \
+    case 7: ROW_BLOCK_512(7, WB); break;        \
+    case 8: ROW_BLOCK_512(8, WB); break;        \
+    case 9: ROW_BLOCK_512(9, WB); break;        \
+    case 10: ROW_BLOCK_512(10, WB); break;      \
+    case 11: ROW_BLOCK_512(11, WB); break;      \
+    default: ROW_BLOCK_512(12, WB); break;      \
+    }
+
+__attribute__((target("avx512f"))) static void row_block_512(int R, int K, int N, const float *x, const void *panels,
+                                                            int panels_bf16, const float *bias, float *y) {
+    int num_panels = (N + PANEL - 1) / PANEL;
+    if (panels_bf16) {
+        ROW_BLOCKS_512(1)
+    } else {
+        ROW_BLOCKS_512(0)
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ dispatch
+ * 0: not chosen yet; 1: AVX2 (8 lanes); 2: AVX-512F (16 lanes). Both give the same bits for every
+ * input, so the choice changes speed only. */
+static int panel_isa = 0;
+
+static int best_isa(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;   /* libgcc checks the OS saves the zmm state */
+}
+
+/* Set the path (1: AVX2, 2: AVX-512F, 0: the best this CPU supports) and return the one in use:
+ * asking for AVX-512F where the CPU lacks it keeps AVX2. Tests force each path through it. */
+int safespec_panel_isa(int want) {
+    int best = best_isa();
+    panel_isa = want == 1 ? 1 : want == 2 ? best : want == 0 ? best : (panel_isa ? panel_isa : best);
+    return panel_isa;
+}
+
+static inline int isa(void) {
+    if (!panel_isa) panel_isa = best_isa();
+    return panel_isa;
+}
+
+/* Rows per block: AVX-512F splits M into near-equal blocks of at most MAX_BLOCK_ROWS_512 rows (a block's
+ * size changes no output: every row's outputs are the same chains in any block). */
+static inline int block_rows(int M, int m0, int avx512) {
+    if (!avx512) return M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
+    int left = M - m0, blocks = (left + MAX_BLOCK_ROWS_512 - 1) / MAX_BLOCK_ROWS_512;
+    return (left + blocks - 1) / blocks;
+}
+
+static void any_row_block(int avx512, int R, int K, int N, const float *x, const void *panels, int panels_bf16,
+                          const float *bias, float *y) {
+    if (avx512) row_block_512(R, K, N, x, panels, panels_bf16, bias, y);
+    else row_block(R, K, N, x, panels, panels_bf16, bias, y);
+}
+
 /* x: [M, K] row-major; panels: [ceil(N / 16), K, 16], float32 or (panels_bf16) bf16; bias:
  * [ceil(N / 16) * 16] float32 or NULL; y: [M, N]. */
-__attribute__((target("avx2,fma"))) void safespec_panel_linear(int M, int K, int N, const float *x, const void *panels,
-                                                           int panels_bf16, const float *bias, float *y) {
-    for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
-        int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
-        row_block(rows, K, N, x + (size_t)m0 * K, panels, panels_bf16, bias, y + (size_t)m0 * N);
+void safespec_panel_linear(int M, int K, int N, const float *x, const void *panels, int panels_bf16,
+                           const float *bias, float *y) {
+    int avx512 = isa() == 2;
+    for (int m0 = 0; m0 < M;) {
+        int rows = block_rows(M, m0, avx512);
+        any_row_block(avx512, rows, K, N, x + (size_t)m0 * K, panels, panels_bf16, bias, y + (size_t)m0 * N);
+        m0 += rows;
     }
 }
 
@@ -145,21 +279,23 @@ static inline uint16_t f32_to_bf16(float f) {
 /* The same projection for bf16 x and y: x goes up to float32 (exactly), the float32 result of
  * safespec_panel_linear rounds to bf16 once. A block of rows at a time, through small buffers.
  * Returns 0, or -1 when the buffers cannot be allocated (y is then left as it was). */
-__attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x,
-                                                               const void *panels, int panels_bf16,
-                                                               const float *bias, uint16_t *y) {
-    float *xf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (K > 0 ? K : 1));
-    float *yf = malloc(sizeof(float) * (size_t)MAX_BLOCK_ROWS * (N > 0 ? N : 1));
+int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x, const void *panels, int panels_bf16,
+                               const float *bias, uint16_t *y) {
+    const int avx512 = isa() == 2;
+    const size_t most = avx512 ? MAX_BLOCK_ROWS_512 : MAX_BLOCK_ROWS;
+    float *xf = malloc(sizeof(float) * most * (K > 0 ? K : 1));
+    float *yf = malloc(sizeof(float) * most * (N > 0 ? N : 1));
     if (!xf || !yf) {
         free(xf);
         free(yf);
         return -1;
     }
-    for (int m0 = 0; m0 < M; m0 += MAX_BLOCK_ROWS) {
-        int rows = M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
+    for (int m0 = 0; m0 < M;) {
+        int rows = block_rows(M, m0, avx512);
         for (size_t i = 0; i < (size_t)rows * K; i++) xf[i] = bf16_to_f32(x[(size_t)m0 * K + i]);
-        row_block(rows, K, N, xf, panels, panels_bf16, bias, yf);
+        any_row_block(avx512, rows, K, N, xf, panels, panels_bf16, bias, yf);
         for (size_t i = 0; i < (size_t)rows * N; i++) y[(size_t)m0 * N + i] = f32_to_bf16(yf[i]);
+        m0 += rows;
     }
     free(xf);
     free(yf);

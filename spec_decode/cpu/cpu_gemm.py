@@ -70,6 +70,27 @@ def available() -> bool:
     return _kernel() is not None
 
 
+ISAS = {"avx2": 1, "avx512": 2}   # the projection kernel's paths: 8 lanes (AVX2) or 16 (AVX-512F)
+
+
+def isa() -> str | None:
+    """The path the projections run: ``"avx512"`` on a CPU with AVX-512F, else ``"avx2"``; None without the kernel."""
+    kernels = _kernel()
+    return None if kernels is None else {v: k for k, v in ISAS.items()}[kernels.isa(-1)]
+
+
+def set_isa(name: str | None) -> str | None:
+    """Run the projections on ``name`` (``"avx2"`` or ``"avx512"``; None: the best this CPU has) and return
+    the path in use (``"avx512"`` falls back to ``"avx2"`` where the CPU lacks AVX-512F). Both paths give
+    the same bits for every input: this is for tests and measurements."""
+    if name is not None and name not in ISAS:
+        raise ValueError(f"isa must be one of {sorted(ISAS)} or None, got {name!r}")
+    kernels = _kernel()
+    if kernels is None:
+        return None
+    return {v: k for k, v in ISAS.items()}[kernels.isa(0 if name is None else ISAS[name])]
+
+
 class PanelWeight:
     """A float32 projection ``y = x @ W.T + b`` packed for the kernel once, then called on few rows.
 
@@ -184,6 +205,7 @@ class _Kernels:
     fp32: ctypes._CFuncPtr   # safespec_panel_linear
     bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
     attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
+    isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
 
 
 @functools.cache
@@ -194,6 +216,7 @@ def _kernel() -> _Kernels | None:
     try:
         lib = ctypes.CDLL(str(_build()))
         fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
+        isa = lib.safespec_panel_isa
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
@@ -206,7 +229,8 @@ def _kernel() -> _Kernels | None:
     # (B, H, R, S, D, q, q_bf16, q strides x3, k, v, kv_bf16, kv strides x2, mask, mask strides x2, scale, out, out_bf16)
     attention.argtypes = ([i32] * 5 + [ptr, i32, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, i64, ctypes.c_float,
                                         ptr, i32])
-    return _Kernels(fp32, bf16, attention)
+    isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
+    return _Kernels(fp32, bf16, attention, isa)
 
 
 def _cpu_has_avx2_fma() -> bool:
