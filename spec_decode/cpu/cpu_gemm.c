@@ -11,8 +11,9 @@
  * the same bits (reference_panel_linear in cpu_gemm.py). NaN and Inf propagate as IEEE arithmetic
  * says. The panels hold float32 or bf16 weights (panels_bf16): bf16 goes up to float32 exactly as
  * it is loaded, so both give the same bits for the same values, and bf16 streams half the bytes.
- * The functions carry target("avx2,fma"): the file builds with any flags, and cpu_gemm.py calls
- * it only on a CPU that has both.
+ * The functions carry target("avx2,fma") (or "avx512f" for the 16-lane path below, taken at run time
+ * where the CPU has it): the file builds with any flags, and cpu_gemm.py calls it only on a CPU that
+ * has AVX2 and FMA.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -124,10 +125,8 @@ __attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, c
  * order, one rounding per FMA, so it gives the AVX2 path's bits (and reference_panel_linear's) exactly.
  * Chosen at run time (safespec_panel_isa) when the CPU and OS support AVX-512F; the AVX2 path is unchanged.
  */
-#ifndef MAX_BLOCK_ROWS_512
-#define MAX_BLOCK_ROWS_512 8
-#endif
-#define MAX_PANELS_512 8
+#define MAX_BLOCK_ROWS_512 12
+#define MAX_PANELS_512 6
 
 /* Sixteen weights from element i of the panels, as float32 (bf16 widened exactly, as load_w). */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512
@@ -139,11 +138,12 @@ load_w16(const void *panels, size_t i, const int WB) {
     return _mm512_loadu_ps((const float *)panels + i);
 }
 
-/* R rows x P panels of accumulators: R * P zmm registers (at most 24 of the 32). WB: bf16 panels. */
+/* R rows x P panels of accumulators: R * P zmm registers (at most 24 of the 32) and P weight vectors.
+ * WB: bf16 panels. */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) void
 micro512(const int R, const int P, const int WB, int K, int N, const float *x, const void *panels,
          const float *bias, float *y, int panel0, int num_panels) {
-    __m512 acc[12][MAX_PANELS_512];
+    __m512 acc[MAX_BLOCK_ROWS_512][MAX_PANELS_512];
     for (int p = 0; p < P; p++) {
         __m512 b0 = bias ? _mm512_loadu_ps(bias + (size_t)(panel0 + p) * PANEL) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) acc[r][p] = b0;
@@ -172,10 +172,9 @@ micro512(const int R, const int P, const int WB, int K, int N, const float *x, c
     }
 }
 
-/* Panels per call for a block of R rows: R * P accumulators plus P weight vectors within the registers. */
-#ifndef WIDE_PANELS_512
-#define WIDE_PANELS_512(R) ((R) <= 6 ? 4 : 3)
-#endif
+/* Panels per call for a block of R rows: R * P accumulators plus P weight vectors within the 32 registers.
+ * Few rows run more panels side by side (more weight streams in flight where the layer comes from memory). */
+#define WIDE_PANELS_512(R) ((R) <= 2 ? 6 : (R) <= 6 ? 4 : (R) <= 8 ? 3 : 2)
 
 #define ROW_BLOCK_512(R, WB)                                                                  \
     do {                                                                                      \
@@ -242,9 +241,11 @@ static inline int block_rows(int M, int m0, int avx512) {
     return (left + blocks - 1) / blocks;
 }
 
+/* A lone row with float32 panels stays on the AVX2 path even where AVX-512F is chosen: there the layer is
+ * read from memory at one FMA per weight, and the 8-lane loop measured faster. Either path gives the same bits. */
 static void any_row_block(int avx512, int R, int K, int N, const float *x, const void *panels, int panels_bf16,
                           const float *bias, float *y) {
-    if (avx512) row_block_512(R, K, N, x, panels, panels_bf16, bias, y);
+    if (avx512 && (R > 1 || panels_bf16)) row_block_512(R, K, N, x, panels, panels_bf16, bias, y);
     else row_block(R, K, N, x, panels, panels_bf16, bias, y);
 }
 

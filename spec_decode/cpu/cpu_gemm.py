@@ -16,7 +16,10 @@ as the kernel loads it. Each output is ``fma(x[m, K-1], w[n, K-1], ... fma(x[m, 
 multiply-add per k, in k order, so an output depends neither on the row count nor on the other
 rows (batch invariant: a row gives the same bits alone or in a verify block), and
 ``reference_panel_linear`` reproduces it bit for bit in torch. NaN and Inf propagate as IEEE
-arithmetic says.
+arithmetic says. On a CPU with AVX-512F the kernel runs 16 lanes (one panel a register) and shares
+each loaded weight vector among up to 12 rows (a single row with float32 weights keeps the 8-lane
+loop, which streams those faster); elsewhere 8 lanes (AVX2). The lanes run across
+outputs, never along k, so both paths give the same bits (``isa``, ``set_isa``).
 
 The C source (``cpu_gemm.c``) is compiled with the system C compiler (``$CC``, else Python's, else
 ``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``; a per-user temporary directory

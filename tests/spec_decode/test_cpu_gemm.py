@@ -319,3 +319,87 @@ def test_a_wrong_bf16_load_would_be_caught():
     nudged = w.clone()
     nudged.view(torch.int16)[5, 7] ^= 1
     assert not _same_bits(PanelWeight(w)(x), PanelWeight(nudged)(x))
+
+
+# ------------------------------------------------------------------ the AVX2 and AVX-512F paths: the same bits
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Force one path of the projection kernel (skipped where the CPU lacks it); the best one again after."""
+    if cpu_gemm.set_isa(request.param) != request.param:
+        cpu_gemm.set_isa(None)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    cpu_gemm.set_isa(None)
+
+
+def test_the_best_path_is_chosen_and_each_can_be_forced():
+    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split()
+    best = "avx512" if "avx512f" in flags else "avx2"
+    try:
+        assert cpu_gemm.set_isa(None) == cpu_gemm.isa() == best
+        assert cpu_gemm.set_isa("avx2") == cpu_gemm.isa() == "avx2"
+        assert cpu_gemm.set_isa("avx512") == best
+    finally:
+        cpu_gemm.set_isa(None)
+    with pytest.raises(ValueError, match="isa"):
+        cpu_gemm.set_isa("sse")
+
+
+def _special_values(x, w, b):
+    """NaN/Inf in x, the weight and the bias, at the first, a middle and the last k, row and column (a NaN
+    row and a -Inf row only where there are rows to spare for them)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M >= 2:
+        x[0, 0] = float("nan")
+    if M >= 3:
+        x[M // 2, K // 2] = float("-inf")
+    x[M - 1, K - 1] = float("inf")
+    w[N - 1, 0] = float("-inf")
+    w[N // 2, K - 1] = float("nan")
+    w[0, K // 3] = float("inf")
+    w[N // 3, K - 1] = 0.0                  # Inf * 0 on the last row: NaN from the last k
+    if b is not None:
+        b[N // 4] = float("inf")
+        b[N - 1] = float("nan")
+
+
+PATH_SHAPES = [(1, 1), (3, 7), (7, 17), (33, 40), (19, 100), (65, 31), (24, 467), (40, 113)]
+
+
+@pytest.mark.parametrize("M", range(1, 18))
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_each_path_equals_the_reference_and_the_other_path(M, wdtype, isa):
+    """Every row count 1..17 (blocks of every size and their remainders), odd K and N (zero-padded last
+    panels, a panel count that fills no call), with and without bias, float32 and bf16 weights, float32
+    and bf16 x, NaN/Inf in place: the forced path gives the reference's bits and the AVX2 path's."""
+    seen_nan = seen_inf = False
+    for i, (K, N) in enumerate(PATH_SHAPES):
+        bias = i % 2 == 1
+        x, w, b = _operands(M, K, N, bias, seed=100 + M * 13 + i)
+        w = w.to(wdtype)
+        if b is not None:
+            b = b.to(wdtype)
+        _special_values(x, w, b)
+        packed = PanelWeight(w, b)
+        got, got16 = packed(x), packed(x.to(torch.bfloat16))
+        assert _same_bits(got, reference_panel_linear(x, w, b)), (K, N)
+        cpu_gemm.set_isa("avx2")
+        try:
+            want, want16 = packed(x), packed(x.to(torch.bfloat16))
+        finally:
+            cpu_gemm.set_isa(isa)
+        assert _same_bits(got, want), (K, N)
+        assert torch.equal(got16.isnan(), want16.isnan()), (K, N)
+        assert torch.equal(got16.nan_to_num(0.0).view(torch.int16), want16.nan_to_num(0.0).view(torch.int16)), (K, N)
+        seen_nan, seen_inf = seen_nan or bool(got.isnan().any()), seen_inf or bool(got.isinf().any())
+    assert seen_nan and seen_inf
+
+
+@pytest.mark.parametrize("M", [2, 6, 9, 13, 17])
+def test_a_row_gets_the_same_bits_alone_or_in_a_block_on_each_path(M, isa):
+    x, w, b = _operands(M, 150, 300, True, seed=7)
+    packed = PanelWeight(w.to(torch.bfloat16), b)
+    block = packed(x)
+    for r in range(M):
+        assert _same_bits(block[r:r + 1], packed(x[r:r + 1]))
