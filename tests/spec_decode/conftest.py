@@ -64,3 +64,22 @@ def host_reads(monkeypatch) -> list:
 
         monkeypatch.setattr(torch.Tensor, name, spy)
     return calls
+
+
+@pytest.fixture(scope="session")
+def triton_kernel_module():
+    """``load(name)``: the Triton kernel module ``name``, reloaded under ``TRITON_INTERPRET=1`` on a machine
+    without CUDA (the variable is read when a kernel is defined); skips when triton is absent."""
+    import importlib
+    import os
+    from unittest import mock
+
+    def load(name: str):
+        pytest.importorskip("triton")
+        module = importlib.import_module(name)
+        if not torch.cuda.is_available() and not module.interpreter_active():
+            with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+                module = importlib.reload(module)
+        return module
+
+    return load

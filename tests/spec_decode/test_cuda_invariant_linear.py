@@ -6,10 +6,6 @@ On a GPU the same tests run on CUDA tensors.
 """
 from __future__ import annotations
 
-import importlib
-import os
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,14 +14,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    """The module, interpreted on CPU-only machines (TRITON_INTERPRET is read when the kernel is defined)."""
-    pytest.importorskip("triton")
-    module = importlib.import_module("spec_decode.cuda.invariant_linear")
-    if DEVICE == "cpu" and not module.interpreter_active():
-        with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
-            module = importlib.reload(module)
-    return module
+def kernel(triton_kernel_module):
+    """The module, interpreted on CPU-only machines (conftest ``triton_kernel_module``)."""
+    return triton_kernel_module("spec_decode.cuda.invariant_linear")
 
 
 def _operands(M, K, N, dtype, bias=True, seed=0):
