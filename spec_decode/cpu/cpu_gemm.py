@@ -53,7 +53,9 @@ PANEL = 16          # output columns per packed panel (two AVX2 registers)
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
 
-_DTYPES = (torch.float32, torch.bfloat16)   # what PanelWeight takes (and returns), weights and inputs alike
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""What the CPU kernels take: ``PanelWeight``'s weights and inputs, the attention kernel's q, keys and
+values; so the dtypes of the batch-invariant routes."""
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.c")
 # -ffp-contract=off: every multiply and add stays the operation the source writes (no fused pairs the
@@ -111,11 +113,11 @@ class PanelWeight:
                  "_kernels")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        if weight.dim() != 2 or weight.dtype not in _DTYPES or not weight.is_cpu:
+        if weight.dim() != 2 or weight.dtype not in KERNEL_DTYPES or not weight.is_cpu:
             raise ValueError(f"weight must be a float32 or bfloat16 CPU tensor [N, K], got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         N, K = weight.shape
-        if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype not in _DTYPES or not bias.is_cpu):
+        if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype not in KERNEL_DTYPES or not bias.is_cpu):
             raise ValueError(f"bias must be a float32 or bfloat16 CPU tensor [{N}], got {bias.dtype} "
                              f"{tuple(bias.shape)} on {bias.device}")
         self._kernels = _kernel()
@@ -139,7 +141,7 @@ class PanelWeight:
         K, N = self.in_features, self.out_features
         dtype = x.dtype
         # checked here, on the host: the kernel trusts the shapes it is given
-        if dtype not in _DTYPES or not x.is_cpu or x.dim() < 1 or x.shape[-1] != K:
+        if dtype not in KERNEL_DTYPES or not x.is_cpu or x.dim() < 1 or x.shape[-1] != K:
             raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [..., {K}], got {dtype} "
                              f"{tuple(x.shape)} on {x.device}")
         if x.requires_grad and torch.is_grad_enabled():

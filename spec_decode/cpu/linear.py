@@ -91,7 +91,7 @@ class Linear(nn.Linear):
         """Which path a CPU inference call with these dtypes takes (see the class docstring); cached."""
         route = _PLAIN
         if (self.batch_invariant is not False and self.panel is not False and x_dtype is w_dtype
-                and x_dtype in (torch.float32, torch.bfloat16)):
+                and x_dtype in cpu_gemm.KERNEL_DTYPES):
             if cpu_gemm.available():
                 self._route_by_dtype[(x_dtype, w_dtype)] = _INVARIANT
                 return _INVARIANT
@@ -165,6 +165,15 @@ def set_packed_linears(module: nn.Module, on: bool | None) -> None:
             m._route_by_dtype.clear()
             for cached in ("_packed", "_fp32", "_panel"):
                 m.__dict__.pop(cached, None)
+
+
+def set_invariant_linears(module: nn.Module, on: bool | None) -> None:
+    """Switch the batch-invariant route (see ``Linear``) in every linear of ``module``: None or True where it
+    runs, False never. ``spec_decode.models.set_batch_invariant`` switches the other layers with it."""
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.batch_invariant = on
+            m._route_by_dtype.clear()
 
 
 def set_panel_linears(module: nn.Module, on: bool | None, *, panel_dtype: torch.dtype | None = None) -> None:

@@ -6,13 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from spec_decode.cpu import Linear, cpu_gemm
+from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.attention import invariant_attention
 from spec_decode.models.config import ModelConfig, apply_rope
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.masks import LayerInputs
-
-_INVARIANT_DTYPES = (torch.float32, torch.bfloat16)   # the dtypes with batch-invariant routes
 
 
 class RMSNorm(nn.Module):
@@ -129,8 +127,8 @@ class Attention(nn.Module):
 
     def _invariant(self, q: Tensor, keys: Tensor) -> bool:
         """Whether this call takes the batch-invariant kernel (see the class docstring)."""
-        return (self.batch_invariant is not False and q.is_cpu and q.dtype in _INVARIANT_DTYPES
-                and keys.dtype in _INVARIANT_DTYPES and not torch.compiler.is_compiling()
+        return (self.batch_invariant is not False and q.is_cpu and q.dtype in cpu_gemm.KERNEL_DTYPES
+                and keys.dtype in cpu_gemm.KERNEL_DTYPES and not torch.compiler.is_compiling()
                 and not (q.requires_grad and torch.is_grad_enabled()) and cpu_gemm.available())
 
 
@@ -154,7 +152,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
-        if (self.batch_invariant is not False and x.is_cpu and x.dtype in _INVARIANT_DTYPES
+        if (self.batch_invariant is not False and x.is_cpu and x.dtype in cpu_gemm.KERNEL_DTYPES
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
             return self.down_proj(_silu_per_element(gate) * up)
         return self.down_proj(F.silu(gate) * up)
@@ -208,11 +206,10 @@ def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
         if not cpu_gemm.available():
             raise ValueError("batch_invariant=True: the CPU kernels (spec_decode.cpu.cpu_gemm) cannot run here: "
                              "an x86-64 CPU with AVX2 and FMA and a C compiler are needed (pass None or False)")
+    set_invariant_linears(module, on)
     for m in module.modules():
-        if isinstance(m, (Linear, Attention, MLP)):
+        if isinstance(m, (Attention, MLP)):
             m.batch_invariant = on
-        if isinstance(m, Linear):
-            m._route_by_dtype.clear()
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:
