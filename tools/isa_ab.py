@@ -12,10 +12,11 @@ import torch
 torch.set_num_threads(1)
 from spec_decode import SpecDecoder
 from spec_decode.cpu import cpu_gemm
-from spec_decode.fixtures import smollm2_target_dir, cache_dir
+from spec_decode.bench.prompt_sets import smollm2_prompt_file
+from spec_decode.fixtures import smollm2_target_dir
 from spec_decode.models import Transformer
 d = smollm2_target_dir()
-prompts = [json.loads(l)["token_ids"] for l in open(cache_dir() / "smollm2-prompts" / "humaneval.jsonl")][:4]
+prompts = [json.loads(l)["token_ids"] for l in open(smollm2_prompt_file("humaneval"))][:4]
 for dt in (torch.bfloat16, torch.float32):
     target = Transformer.from_pretrained(d, dtype=dt)
     for name, dec in (("ar", SpecDecoder(target, None, method="none")),

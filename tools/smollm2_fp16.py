@@ -18,7 +18,7 @@ import json
 import torch
 
 from spec_decode import SpecDecoder, fixtures
-from spec_decode.bench.prompt_sets import prompt_set_file
+from spec_decode.bench.prompt_sets import smollm2_prompt_file
 from spec_decode.models import Transformer
 
 FP16_MAX = torch.finfo(torch.float16).max
@@ -44,7 +44,7 @@ def main() -> None:
                                        nan_policy="guard")
     ar32 = SpecDecoder(fp32, None, method="none")
     for name in ("humaneval", "chat"):
-        path = prompt_set_file(name, target_dir, fixtures.cache_dir() / "smollm2-prompts")
+        path = smollm2_prompt_file(name)
         prompts = [json.loads(line)["token_ids"] for line in open(path)][:args.num_prompts]
         worst, events, equal = 0.0, 0, 0
         for i, prompt in enumerate(prompts):

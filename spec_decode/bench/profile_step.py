@@ -464,11 +464,11 @@ def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 def _use_smollm2(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--suite smollm2``: point ``--target`` and ``--prompts`` at the real model and its chat set."""
-    from spec_decode.bench.prompt_sets import prompt_set_file
-    from spec_decode.fixtures import cache_dir, smollm2_target_dir
+    from spec_decode.bench.prompt_sets import smollm2_prompt_file
+    from spec_decode.fixtures import smollm2_target_dir
 
     try:
         args.target = smollm2_target_dir()
-        args.prompts = prompt_set_file("chat", args.target, cache_dir() / "smollm2-prompts")
+        args.prompts = smollm2_prompt_file("chat")
     except ImportError as e:
         p.error(f"--suite smollm2: {e}")

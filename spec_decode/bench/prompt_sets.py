@@ -54,6 +54,14 @@ def chat_token_ids(tokenizer, message: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def smollm2_prompt_file(name: str) -> Path:
+    """Prompt set ``name`` tokenized for SmolLM2-135M-Instruct (``smollm2_target_dir``), kept in
+    ``cache_dir()/smollm2-prompts``; ImportError naming the extra when its packages are absent."""
+    from spec_decode.fixtures import cache_dir, smollm2_target_dir
+
+    return prompt_set_file(name, smollm2_target_dir(), cache_dir() / "smollm2-prompts")
+
+
 def prompt_set_file(name: str, model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """``out_dir/<name>.jsonl``: prompt set ``name`` tokenized for the checkpoint ``model_dir`` (its
     tokenizer files and chat template), one ``{"token_ids": [...], "text": ...}`` per line.

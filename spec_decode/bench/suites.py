@@ -60,13 +60,13 @@ def main(argv: list[str]) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     from spec_decode.bench.machine import torch_threads
-    from spec_decode.bench.prompt_sets import prompt_set_file
+    from spec_decode.bench.prompt_sets import smollm2_prompt_file
     from spec_decode.bench.run import run_bench, write_results
-    from spec_decode.fixtures import cache_dir, smollm2_target_dir
+    from spec_decode.fixtures import smollm2_target_dir
 
     try:
         target = smollm2_target_dir()
-        files = {name: prompt_set_file(name, target, cache_dir() / "smollm2-prompts") for name in args.prompt_sets}
+        files = {name: smollm2_prompt_file(name) for name in args.prompt_sets}
     except ImportError as e:
         p.error(f"--suite smollm2: {e}")
     methods = tuple(args.methods or default_methods(args.eagle, args.eagle3))
