@@ -20,6 +20,7 @@ import torch
 
 from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
+from tiny_models import make_tiny_target
 
 SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
@@ -160,3 +161,39 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, t
     got = SpecDecoder(target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
         prompts, max_new_tokens=16, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_a_run_continues_from_the_exported_head(msh, build, target):
+    run, root = build
+    out = root / "models" / "head"
+    if not out.is_dir():
+        assert run("eagle3") == 0 and run("export") == 0
+    work = root / "warm"
+    shutil.copytree(root / "work", work, ignore=shutil.ignore_patterns("ckpt", "eagle3"))
+    init = msh.load_init_head(out, target)
+    head = msh.build_head(target, init.to_target_ids(torch.arange(init.draft_vocab_size)).numpy(),
+                          msh.aux_layers_of(target), dict(msh.EAGLE3_TRAIN))
+    in_scale = torch.linspace(0.5, 2.0, head.fc.weight.shape[1])
+    msh.warm_start(head, init, in_scale)
+    torch.testing.assert_close(head.fc.weight * in_scale, init.fc.weight, rtol=1e-6, atol=0)
+    for (name, p), q in zip(head.named_parameters(), init.parameters()):
+        if not name.startswith("fc."):
+            assert torch.equal(p, q), name
+
+    assert run("eagle3", "--init-from", str(out), work=work) == 0
+    stats = json.loads((work / "stats" / "eagle3.json").read_text())
+    assert stats["train"]["init_from"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    staged = load_drafter(work / "eagle3", target, method="eagle3")
+    assert torch.equal(staged.d2t, init.d2t)
+
+
+def test_init_from_a_head_that_does_not_fit_names_it(msh, target, tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        msh.load_init_head(tmp_path, target)
+    layers = target.config.num_hidden_layers
+    other = Transformer.from_pretrained(make_tiny_target(tmp_path / "other", seed=3, vocab_size=6,
+                                                         num_hidden_layers=layers), dtype=torch.float32)
+    eagle_cfg = {"eagle_aux_hidden_state_layer_ids": list(msh.aux_layers_of(target))}
+    Eagle3Head(msh.mf.head_config(other, eagle_config=eagle_cfg), other).save_pretrained(tmp_path / "head")
+    with pytest.raises(ValueError, match=str(tmp_path / "head")):
+        msh.load_init_head(tmp_path / "head", target)
