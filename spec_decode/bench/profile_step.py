@@ -463,8 +463,10 @@ def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
 
 
 def _use_smollm2(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--suite smollm2``: point ``--target`` and ``--prompts`` at the real model and its chat set."""
+    """``--suite smollm2``: point ``--target`` and ``--prompts`` at the real model and its chat set, and
+    ``--eagle``/``--eagle3`` left at their defaults (the tiny target's heads) at the real model's heads."""
     from spec_decode.bench.prompt_sets import smollm2_prompt_file
+    from spec_decode.bench.suites import smollm2_heads
     from spec_decode.fixtures import smollm2_target_dir
 
     try:
@@ -472,3 +474,7 @@ def _use_smollm2(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.prompts = smollm2_prompt_file("chat")
     except ImportError as e:
         p.error(f"--suite smollm2: {e}")
+    defaults = {name: p.get_default(name) for name in ("eagle", "eagle3")}
+    for name, path in smollm2_heads().items():
+        if getattr(args, name) == defaults[name]:
+            setattr(args, name, path)

@@ -42,11 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=csv_list(choices=DTYPE_NAMES), default=("fp32", "bf16"), help="default fp32,bf16")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=seed, default=0)
-    p.add_argument("--eagle", type=Path, default=fx / SMOLLM2_EAGLE_SUBDIR, help="EAGLE-1/2 head for SmolLM2")
-    p.add_argument("--eagle3", type=Path, default=fx / SMOLLM2_EAGLE3_SUBDIR, help="EAGLE-3 head for SmolLM2")
+    heads = smollm2_heads(fx)
+    p.add_argument("--eagle", type=Path, default=heads["eagle"], help="EAGLE-1/2 head for SmolLM2")
+    p.add_argument("--eagle3", type=Path, default=heads["eagle3"], help="EAGLE-3 head for SmolLM2")
     p.add_argument("--out", type=Path, default=Path("bench_out/smollm2"), help="default bench_out/smollm2")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def smollm2_heads(fixtures_dir: Path | None = None) -> dict[str, Path]:
+    """Where the real model's heads ship: ``{"eagle": ..., "eagle3": ...}`` (the bench's drafter names)."""
+    fx = fixtures_dir or default_fixtures_dir()
+    return {"eagle": fx / SMOLLM2_EAGLE_SUBDIR, "eagle3": fx / SMOLLM2_EAGLE3_SUBDIR}
 
 
 def default_methods(eagle: Path, eagle3: Path) -> tuple[str, ...]:
