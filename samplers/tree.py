@@ -197,7 +197,8 @@ def tree_verify(
     Shape:
         tree_token_ids: [B, N] integer; tree_parents: [B, N] integer.
         target_logits: [B, N, V] floating, any strides.
-        temperature, top_k, top_p, min_p: scalar, list of B, or tensor [B].
+        temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int, list of B,
+            or int tensor [B].
         draft_probs: None, or [B, N, V].
         generator: None, one ``torch.Generator``, or a sequence of B of them.
         returns: :class:`TreeVerifyResult` (shapes there), D the tree's maximum depth.
