@@ -266,10 +266,9 @@ def coupled_sample(
 
     Shape:
         logits: [B, V]; seeds: [B] integer; positions: [B] integer (absolute positions).
-        temperature, top_k, top_p, min_p, params: as in :func:`sample`; backend as in :func:`coupled_noise`.
-        returns: ids [B] int64 in [0, V); with ``return_nonfinite`` the
-            :class:`SamplerOutput` ``(ids, nonfinite_rows [B] bool)`` with the attribute
-            ``dead_rows`` [B] bool.
+        temperature, top_k, top_p, min_p: as in :func:`sample`.
+        returns: ids [B] int64 in [0, V); with ``return_nonfinite`` also nonfinite_rows [B]
+            bool and dead_rows [B] bool.
 
     An exact draw from p, the same for a (logits, parameters, seed, position) in any batch,
     at any row, on any device (up to float rounding of p, see the module docstring): it is
@@ -283,15 +282,40 @@ def coupled_sample(
     holding NaN gives the index of its first NaN (in range); the masks are computed only when
     ``return_nonfinite`` asks for them.
 
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Floating logits; never modified.
+    seeds : torch.Tensor
+        One key per row, any int64 value (a request's seed): rows with the same seed and
+        position draw the same noise.
+    positions : torch.Tensor
+        The absolute position of the token each row draws (the second key).
+    temperature, top_k, top_p, min_p, nan_policy, check_inputs, return_nonfinite, params
+        As in :func:`sample`.
+    backend : {"auto", "torch", "triton"}, default "auto"
+        Where the noise is computed, as in :func:`coupled_noise`; every backend gives the
+        same noise.
+
+    Returns
+    -------
+    torch.Tensor or SamplerOutput
+        ``ids``; with ``return_nonfinite`` the :class:`SamplerOutput` ``(ids,
+        nonfinite_rows)`` with the attribute ``dead_rows``.
+
     Examples
     --------
     >>> import torch
+    >>> from samplers import coupled_sample
     >>> logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 1.0]])
-    >>> coupled_sample(logits, torch.tensor([1, 2]), torch.tensor([10, 4]), temperature=0.0).tolist()
+    >>> seeds, positions = torch.tensor([1, 2]), torch.tensor([10, 4])
+    >>> coupled_sample(logits, seeds, positions, temperature=0.0).tolist()
     [1, 0]
-    >>> a = coupled_sample(logits, torch.tensor([1, 2]), torch.tensor([10, 4]))
-    >>> bool(a[1] == coupled_sample(logits[1:], torch.tensor([2]), torch.tensor([4]))[0])  # alone: same
+    >>> a = coupled_sample(logits, seeds, positions)
+    >>> bool(a[1] == coupled_sample(logits[1:], seeds[1:], positions[1:])[0])  # alone: same token
     True
+    >>> coupled_sample(logits, seeds, positions, top_k=1).tolist()  # one token left per row
+    [1, 0]
     """
     check_float_tensor(logits, "logits", 2)
     seeds, positions = _check(logits, seeds, positions, backend)

@@ -140,15 +140,10 @@ def sample(
     """Sample one token per row from the processed distribution, without a host sync.
 
     Shape:
-        logits: [B, V]; parameters as in :func:`logits_to_probs`.
-        generator: None, a ``torch.Generator``, or a sequence of B generators (row b
-            draws V uniforms from ``generator[b]`` only).
-        params: ``SamplingParams`` of B rows built once (``SamplingParams.build``), instead of
-            ``temperature``/``top_k``/``top_p``/``min_p`` (leave those at their defaults). It keeps
-            its host facts (``all_greedy``, ``all_sampled``), which tensors passed again lose.
-        returns: ids [B] int64 in [0, V); with ``return_nonfinite`` the
-            :class:`SamplerOutput` ``(ids, nonfinite_rows [B] bool)`` with the attribute
-            ``dead_rows`` [B] bool.
+        logits: [B, V]; temperature, top_k, top_p, min_p: as in :func:`logits_to_probs`.
+        generator: None, one ``torch.Generator``, or a sequence of B of them.
+        returns: ids [B] int64 in [0, V); with ``return_nonfinite`` also nonfinite_rows [B]
+            bool and dead_rows [B] bool.
 
     Rows with temperature 0 are greedy (first argmax), so one batch mixes greedy and
     sampled rows. Generators must live on the logits' device.
@@ -157,15 +152,49 @@ def sample(
     gives a valid id (never out of range) and is reported in ``nonfinite_rows`` and
     ``dead_rows`` (computed under ``"off"`` too when ``return_nonfinite`` asks for them).
 
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Floating logits (float16, bfloat16, float32 or float64); never modified.
+    temperature, top_k, top_p, min_p : scalar, list of B, or tensor [B], optional
+        Per-row sampling parameters, parsed by :class:`SamplingParams`: ``temperature``
+        0 is greedy, None is 1.0; ``top_k`` None or 0, ``top_p`` None or 1 and ``min_p``
+        None or 0 switch their filter off.
+    generator : torch.Generator or sequence of torch.Generator, optional
+        Where the uniforms come from: one generator for the batch, or one per row (row b
+        then draws V uniforms from ``generator[b]`` only). None: torch's default generator.
+    nan_policy : NanPolicy or str, optional
+        ``"off"``, ``"sanitize"``, ``"guard"``, ``"abort"`` or ``"raise"``; None reads the
+        active policy (``numerics``).
+    check_inputs : bool, default False
+        Check the parameters' values (one host sync); off, bad values are not caught.
+    return_nonfinite : bool, default False
+        Also return which rows held NaN/Inf and which had no finite value.
+    params : SamplingParams, optional
+        B rows built once (``SamplingParams.build``), instead of ``temperature``/``top_k``/
+        ``top_p``/``min_p`` (leave those at their defaults). It keeps its host facts
+        (``all_greedy``, ``all_sampled``), which tensors passed again lose.
+
+    Returns
+    -------
+    torch.Tensor or SamplerOutput
+        ``ids``; with ``return_nonfinite`` the :class:`SamplerOutput` ``(ids,
+        nonfinite_rows)`` with the attribute ``dead_rows``.
+
     Examples
     --------
     >>> import torch
     >>> from samplers import sample
+    >>> logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, float("nan")]])
+    >>> sample(logits, temperature=0.0, nan_policy="sanitize").tolist()
+    [1, 0]
+    >>> out = sample(logits, temperature=0.0, nan_policy="sanitize", return_nonfinite=True)
+    >>> out.nonfinite_rows.tolist(), out.dead_rows.tolist()
+    ([False, True], [False, False])
     >>> g = torch.Generator().manual_seed(0)
-    >>> sample(torch.tensor([[0.0, 5.0, 1.0]]), temperature=0.0).tolist()
-    [1]
-    >>> int(sample(torch.randn(2, 7), top_k=3, generator=g).max()) < 7
-    True
+    >>> ids = sample(torch.randn(2, 7, generator=g), top_k=3, generator=g)
+    >>> ids.shape, ids.dtype, bool(((ids >= 0) & (ids < 7)).all())
+    (torch.Size([2]), torch.int64, True)
     """
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape

@@ -195,21 +195,13 @@ def tree_verify(
     """Verify a batch of EAGLE draft trees; the emitted tokens follow the target exactly.
 
     Shape:
-        tree_token_ids: [B, N] integer (entry 0, the root's token, is not read).
-        tree_parents: [B, N] integer; ``tree_parents[b, 0] == -1``.
-        target_logits: [B, N, V] floating, any strides; row i predicts the token after
-            node i.
-        temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int,
-            list of B, or int tensor [B] (see :class:`SamplingParams`; temperature None
-            means 1.0).
-        draft_probs: None, or [B, N, V]: the drafter's distribution at node i, the one
-            node i's children were drawn from.
-        generator: None, a ``torch.Generator``, or a sequence of B generators. Row b then
-            draws from ``generator[b]`` only: N acceptance uniforms (with draft_probs),
-            then V per depth level 0..D, where D is ``max_depth`` (pass it: otherwise D is
-            the batch's deepest tree, which moves each generator's state after the call,
-            though never this call's tokens).
-        returns: :class:`TreeVerifyResult` with D the tree's maximum depth.
+        tree_token_ids: [B, N] integer; tree_parents: [B, N] integer.
+        target_logits: [B, N, V] floating, any strides.
+        temperature, top_p, min_p: scalar, list of B, or float tensor [B]; top_k: int, list of B,
+            or int tensor [B].
+        draft_probs: None, or [B, N, V].
+        generator: None, one ``torch.Generator``, or a sequence of B of them.
+        returns: :class:`TreeVerifyResult` (shapes there), D the tree's maximum depth.
 
     Greedy rows (temperature 0) follow the child whose token is the target's argmax, and
     otherwise emit the argmax and stop. Sampled rows:
@@ -250,6 +242,68 @@ def tree_verify(
     NaN/Inf/negative count as 0. ``nonfinite_rows`` and ``dead_rows`` report the
     affected rows (policy ``off``: nothing is checked, both are None); ids are always in
     [0, V).
+
+    Parameters
+    ----------
+    tree_token_ids : torch.Tensor
+        Each node's draft token; entry 0, the root's token, is not read.
+    tree_parents : torch.Tensor
+        Each node's parent index, ``tree_parents[b, 0] == -1`` (the root); a parent comes
+        before its children.
+    target_logits : torch.Tensor
+        The target's logits at every node: row i predicts the token after node i.
+    temperature, top_k, top_p, min_p : scalar, list of B, or tensor [B], optional
+        Per-row parameters as in :class:`SamplingParams`; ``temperature`` 0 (the default)
+        is greedy, None is 1.0.
+    draft_probs : torch.Tensor, optional
+        The drafter's distribution at node i, the one node i's children were drawn from;
+        None for deterministic children.
+    sibling_sampling : {"with_replacement", "without_replacement"}
+        How the children of one node were drawn from q (see above).
+    generator : torch.Generator or sequence of torch.Generator, optional
+        One generator for the batch, or one per row. Row b then draws from
+        ``generator[b]`` only: N acceptance uniforms (with draft_probs), then V per depth
+        level 0..D, where D is ``max_depth`` (pass it: otherwise D is the batch's deepest
+        tree, which moves each generator's state after the call, though never this
+        call's tokens).
+    nan_policy : NanPolicy or str, optional
+        As in :func:`sample`; None reads the active policy.
+    max_depth, max_children : int, optional
+        Bounds of the depth loop (see above); given, the call makes no host sync.
+    check_inputs : bool, default False
+        Check the parameters, the tree's shape and the token ids (host syncs).
+
+    Returns
+    -------
+    TreeVerifyResult
+        ``accepted_node_ids``, ``output_token_ids`` (accepted tokens, then the recovered or
+        bonus token, then -1), ``num_emitted``, ``nonfinite_rows`` and ``dead_rows``.
+
+    Examples
+    --------
+    A greedy row over a tree of four nodes: the root's children 1 (token 5) and 2 (token 7),
+    and node 3 (token 9) under node 1. The target's argmax is 5 at the root, 9 at node 1
+    and 4 at node 3, so the path 1 -> 3 is accepted and 4 is the bonus token.
+
+    >>> import torch
+    >>> from samplers import tree_verify
+    >>> tokens = torch.tensor([[0, 5, 7, 9]])
+    >>> parents = torch.tensor([[-1, 0, 0, 1]])
+    >>> logits = torch.zeros(1, 4, 10)
+    >>> logits[0, 0, 5] = logits[0, 1, 9] = logits[0, 3, 4] = 1.0
+    >>> res = tree_verify(tokens, parents, logits, temperature=0.0, max_depth=2)
+    >>> res.accepted_node_ids.tolist(), res.output_token_ids.tolist(), res.num_emitted.tolist()
+    ([[1, 3]], [[5, 9, 4]], [3])
+
+    A sampled row whose target puts all its mass on token 7 follows node 2, whatever the
+    generator draws:
+
+    >>> logits = torch.full((1, 4, 10), -float("inf"))
+    >>> logits[:, :, 7] = 0.0
+    >>> res = tree_verify(tokens, parents, logits, temperature=1.0, max_depth=2,
+    ...                   generator=torch.Generator().manual_seed(0))
+    >>> res.accepted_node_ids.tolist(), res.output_token_ids.tolist()
+    ([[2, -1]], [[7, 7, -1]])
     """
     batch, n, vocab, device = _check_tree_args(tree_token_ids, tree_parents, target_logits)
     if draft_probs is not None:

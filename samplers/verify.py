@@ -125,17 +125,12 @@ def chain_speculative_sampling(
     """Speculative sampling of a draft chain: the output is distributed as the target's.
 
     Shape:
-        draft_probs: [B, K, V] floating, the drafter's distribution that draft token j was
-            drawn from; or None for deterministic drafts (q is then one-hot on the token).
+        draft_probs: [B, K, V] floating, or None.
         draft_token_ids: [B, K] integer.
         target_probs: [B, K+1, V] floating.
-        generator: None, a ``torch.Generator``, or a sequence of B generators (row b
-            draws K uniforms, then V, from ``generator[b]`` only).
-        returns: :class:`SamplerOutput` ``(output_token_ids [B, K+1] int32,
-            num_passed [B] int32, num_accepted [B] int32)`` [+ ``nonfinite_rows`` [B]
-            bool if ``return_nonfinite``]; attributes also ``num_emitted`` [B] int32 and
-            ``dead_rows`` [B] bool. Deprecated names: ``accepted_num`` (num_passed),
-            ``emitted_num`` (num_accepted).
+        generator: None, one ``torch.Generator``, or a sequence of B of them.
+        returns: output_token_ids [B, K+1] int32, num_passed [B] int32, num_accepted [B]
+            int32, num_emitted [B] int32; nonfinite_rows [B] bool and dead_rows [B] bool.
 
     Same rule as FlashInfer's function of this name: draft j is accepted when
     ``q > 0 and p / q >= u`` (u float64 uniform in (0, 1]); at the first rejection the
@@ -149,10 +144,6 @@ def chain_speculative_sampling(
     is always rejected and its q treated as all zero (the recovered token is then drawn
     from p).
 
-    ``backend``: ``"auto"`` uses FlashInfer's kernel for CUDA tensors when flashinfer is
-    installed and ``generator`` is not a sequence, else torch; ``"torch"`` forces the
-    torch path; ``"flashinfer"`` requires it (one generator only).
-
     NaN: probabilities that are NaN/Inf/negative count as 0 and rows are renormalised; a
     target row with no mass left becomes uniform, a draft row with no mass rejects its
     token. ``nonfinite_rows`` marks batch rows where any such repair happened,
@@ -160,6 +151,54 @@ def chain_speculative_sampling(
     happens under every ``nan_policy``; ``"raise"`` first raises NanLogitsError naming
     the batch rows whose probabilities hold NaN (one host sync; Inf does not raise).
     Under ``"off"`` nothing is reported: ``nonfinite_rows`` and ``dead_rows`` are None.
+
+    Parameters
+    ----------
+    draft_probs : torch.Tensor or None
+        The drafter's distribution that draft token j was drawn from; None for
+        deterministic drafts (q is then one-hot on the token).
+    draft_token_ids : torch.Tensor
+        The K draft tokens of each row, in chain order.
+    target_probs : torch.Tensor
+        The target's distribution at each draft position, then after the last draft.
+    generator : torch.Generator or sequence of torch.Generator, optional
+        One generator for the batch, or one per row (row b then draws K uniforms, then V,
+        from ``generator[b]`` only). None: torch's default generator.
+    nan_policy : NanPolicy or str, optional
+        As in :func:`sample`; None reads the active policy.
+    check_inputs : bool, default False
+        Check that every draft id is in [0, V) (one host sync).
+    return_nonfinite : bool, default False
+        Also return ``nonfinite_rows`` as the fourth positional output.
+    backend : {"auto", "torch", "flashinfer"}, default "auto"
+        ``"auto"`` uses FlashInfer's kernel for CUDA tensors when flashinfer is installed
+        and ``generator`` is not a sequence, else torch; ``"torch"`` forces the torch path;
+        ``"flashinfer"`` requires it (one generator only).
+
+    Returns
+    -------
+    SamplerOutput
+        ``(output_token_ids, num_passed, num_accepted)``, plus ``nonfinite_rows`` with
+        ``return_nonfinite``. ``output_token_ids`` holds the accepted drafts, then the
+        recovered or bonus token, then -1. Attributes also ``num_emitted`` and
+        ``dead_rows``. Deprecated names: ``accepted_num`` (num_passed), ``emitted_num``
+        (num_accepted).
+
+    Examples
+    --------
+    Deterministic drafts against one-hot targets, so every draw is certain: row 0's
+    second draft (2) is rejected and 3 recovered; row 1 keeps both and adds the bonus 0.
+
+    >>> import torch
+    >>> from samplers import chain_speculative_sampling
+    >>> eye = torch.eye(4)
+    >>> drafts = torch.tensor([[1, 2], [1, 2]])
+    >>> target = torch.stack([eye[[1, 3, 0]], eye[[1, 2, 0]]])   # [B=2, K+1=3, V=4]
+    >>> out = chain_speculative_sampling(None, drafts, target, generator=torch.Generator().manual_seed(0))
+    >>> out.output_token_ids.tolist()
+    [[1, 3, -1], [1, 2, 0]]
+    >>> out.num_accepted.tolist(), out.num_emitted.tolist(), out.num_passed.tolist()
+    ([1, 2], [2, 3], [1, 2])
     """
     check_int_tensor(draft_token_ids, "draft_token_ids", 2)
     check_float_tensor(target_probs, "target_probs", 3)

@@ -219,18 +219,18 @@ class SpecDecoder:
                  faults=(), request_ids=None) -> list[GenerationResult]:
         """Generate for a batch of prompts; every per-request argument is a scalar or a list.
 
-        ``temperature`` 0 is greedy, and so is one whose float32 is 0 (``1e-46``); None is 1.0, no
-        scaling. ``top_k``, ``top_p`` and ``min_p`` as in ``samplers`` (None: off). A request stops at the target checkpoint's EOS ids
+        Shape:
+            prompt_token_ids: B sequences of token ids, each in [0, vocab).
+            temperature, top_k, top_p, min_p, seed, stop_token_ids: a scalar (shared) or a list of B.
+            returns: B ``GenerationResult``, in prompt order.
+
+        With a seed, request ``i``'s tokens depend only on its own seed, prompt and parameters,
+        never on the other requests in the batch nor on timing (under ``num_steps="auto"``,
+        batches that hold sampled requests run the fixed depth ``max_steps``: the controller
+        adapts only all-greedy batches). A request stops at the target checkpoint's EOS ids
         (``generation_config.json``, else ``config.json``: ``target.eos_token_ids``) unless
-        ``ignore_eos``, and at its ``stop_token_ids``: an id, a list of ids (shared) or a list of
-        such lists (per request), each in [0, vocab); a stop token is kept in the output.
-        ``seed``: None (torch's default generator, shared by the batch), an int (request ``i`` uses
-        ``seed + i``), a list of ints (one per request) or a ``torch.Generator`` (it draws one seed
-        per request); seeds are ints in [0, 2**63). With a seed, request ``i``'s tokens depend only
-        on its own seed, prompt and parameters, never on the other requests in the batch nor on
-        timing (under ``num_steps="auto"``, batches that hold sampled requests run the fixed depth
-        ``max_steps``: the controller adapts only all-greedy batches). ``faults`` is a sequence of
-        ``NanFault`` (or None). ``request_ids``: unique ids, one per prompt (default "0", "1", ...).
+        ``ignore_eos``, at one of its ``stop_token_ids`` (kept in the output), or after
+        ``max_new_tokens``.
 
         NaN policy (``self.nan_policy``): ``guard`` (default) sanitizes rows with some NaN/Inf and
         finishes a request with ``"nan_abort"`` when one of its rows this step has no finite value;
@@ -239,6 +239,56 @@ class SpecDecoder:
         just the requests with NaN with ``"nan_abort"``, drops that step's tokens for them and zeroes
         their KV slots; ``off`` does nothing. Only NaN (and, under ``guard``, dead rows) stop a request:
         Inf is sanitized.
+
+        Parameters
+        ----------
+        prompt_token_ids : sequence of sequences of int
+            One tokenized prompt per request (at least one token each).
+        max_new_tokens : int or list of int
+            The most new tokens a request gets.
+        temperature : float or list of float, default 0.0
+            0 is greedy, and so is one whose float32 is 0 (``1e-46``); None is 1.0, no scaling.
+        top_k, top_p, min_p : optional
+            As in ``samplers`` (None: off).
+        seed : int, list of int or torch.Generator, optional
+            None: torch's default generator, shared by the batch. An int: request ``i`` uses
+            ``seed + i``. A list: one per request. A ``torch.Generator``: it draws one seed per
+            request. Seeds are ints in [0, 2**63).
+        stop_token_ids : int, list of int, or list of lists of int, optional
+            An id, a list of ids (shared) or a list of such lists (per request), each in
+            [0, vocab).
+        ignore_eos : bool, default False
+            Do not stop at the checkpoint's EOS ids.
+        faults : sequence of NanFault, default ()
+            Values (NaN, +-inf) to inject at a site for one request at one step, to rehearse
+            the NaN policy; None is none.
+        request_ids : list of str, optional
+            Unique ids, one per prompt (default "0", "1", ...).
+
+        Returns
+        -------
+        list of GenerationResult
+            Per request: the new ``token_ids``, the ``finish_reason`` (``"stop"``,
+            ``"length"`` or ``"nan_abort"``), the ``accepted_lengths`` of its verify steps
+            and its ``nan_events``.
+
+        Examples
+        --------
+        The shipped tiny models, on CPU: request 0 greedy, request 1 sampled with seed 2 + 1 = 3,
+        which it would draw alone too.
+
+        >>> from spec_decode import SpecDecoder
+        >>> from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
+        >>> fixtures = find_fixtures_dir()   # this checkout's fixtures/
+        >>> dec = SpecDecoder.from_pretrained(fixtures / TARGET_SUBDIR, fixtures / EAGLE_SUBDIR, device="cpu")
+        >>> results = dec.generate([[1, 2, 3, 4], [5, 6]], max_new_tokens=8, temperature=[0.0, 0.8], seed=2)
+        >>> [(r.finish_reason, len(r.token_ids)) for r in results]
+        [('length', 8), ('length', 8)]
+        >>> results[0].token_ids
+        [199, 3, 462, 2169, 2169, 2169, 2169, 2169]
+        >>> alone = dec.generate([[5, 6]], max_new_tokens=8, temperature=0.8, seed=3)
+        >>> alone[0].token_ids == results[1].token_ids
+        True
         """
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
