@@ -18,14 +18,14 @@ _EXPORTS = {
     "GenerationResult": "spec_decode.results",
     "NanEvent": "spec_decode.results",
     "StepStats": "spec_decode.results",
-    "NanFault": "spec_decode.testing.faults",
+    "NanFault": "spec_decode.faults",
     "Transformer": "spec_decode.models.transformer",
     "ModelConfig": "spec_decode.models.config",
     "KVCache": "spec_decode.models.kv_cache",
     "EagleHead": "spec_decode.models.eagle",
     "Eagle3Head": "spec_decode.models.eagle",
     "load_drafter": "spec_decode.models.eagle",
-    "FAULT_SITES": "spec_decode.testing.faults",
+    "FAULT_SITES": "spec_decode.faults",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -9,7 +9,7 @@ from collections import deque
 from samplers import SamplingParams
 
 
-def _regime(sampling: SamplingParams) -> str:
+def sampling_regime(sampling: SamplingParams) -> str:
     """Acceptance differs between greedy and sampled batches; the controller keeps them apart."""
     return "greedy" if sampling.all_greedy else "sampled"
 

@@ -174,11 +174,11 @@ def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     acc = torch.zeros(x.shape[0], weight.shape[0]) if bias is None else bias.expand(x.shape[0], -1).clone()
     x64, w64 = x.double(), weight.double()
     for k in range(x.shape[1]):
-        acc = _fma_f32(x64[:, k, None] * w64[None, :, k], acc)
+        acc = fma_f32(x64[:, k, None] * w64[None, :, k], acc)
     return acc
 
 
-def _fma_f32(product: Tensor, acc: Tensor) -> Tensor:
+def fma_f32(product: Tensor, acc: Tensor) -> Tensor:
     """float32 ``fma(a, b, acc)`` given the exact product a * b in float64 (exact: 24 + 24 bits <= 53).
 
     The float64 sum s can itself round. Rounding s to float32 then errs only where s landed exactly

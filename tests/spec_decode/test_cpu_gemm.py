@@ -99,7 +99,7 @@ def test_a_double_rounding_case_is_emulated_exactly():
 def test_the_overflow_threshold_rounds_by_the_exact_sum():
     """A float64 sum exactly on float32's overflow threshold rounds to Inf unless the exact sum is inside."""
     threshold = torch.tensor([cpu_gemm._OVERFLOW_THRESHOLD], dtype=torch.float64)
-    fma = cpu_gemm._fma_f32
+    fma = cpu_gemm.fma_f32
     assert fma(threshold, torch.tensor([0.0])).item() == float("inf")                # exact: a tie, to Inf
     assert fma(threshold, torch.tensor([-(2.0 ** 40)])).item() == torch.finfo(torch.float32).max
     assert fma(-threshold, torch.tensor([2.0 ** 40])).item() == -torch.finfo(torch.float32).max
