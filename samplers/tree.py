@@ -361,7 +361,7 @@ class _Walk:
 
 def _greedy_paths(tree: _Tree, tokens, token_ok, argmax_ids, depth_bound, nonfinite, dead,
                   ancestors: torch.Tensor | None = None) -> TreeVerifyResult:
-    """Greedy verification of every row at once: what the level walk gives, in a fixed ~40 ops.
+    """Greedy verification of every row at once: what the level walk gives, in a fixed number of ops.
 
     Node i passes when its token is the argmax at its parent, it is reachable with an in-range
     token and lies within ``depth_bound``, and no earlier sibling passes (the walk follows the

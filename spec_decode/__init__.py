@@ -2,7 +2,7 @@
 
 Layout: ``models/`` (the target and draft models, EAGLE heads, KV cache, checkpoints), ``cpu/`` (the
 CPU backend of their linear layers), the decoder in this package itself, ``integrations/`` (SGLang and
-pytest plugins), ``testing/`` (fault injection, the fp16 overflow), ``bench/`` (``spec-bench``).
+pytest plugins), ``testing/`` (the fp16 overflow), ``bench/`` (``spec-bench``).
 
 The top layer of safespec; uses ``samplers`` and ``numerics``. Public names load lazily so that
 ``import spec_decode`` stays cheap: the pytest plugin (``spec_decode.integrations.pytest_plugin``) is imported

@@ -315,6 +315,15 @@ class CoupledNoise:
         return scores if self.greedy_rows is None else torch.where(self.greedy_rows, logits.float(), scores)
 
 
+def draft_target_ids(drafter: Drafter, target) -> Tensor | None:
+    """The target id of each drafter-vocabulary id (None: the drafter's vocabulary is the ``target``'s).
+    Shape: -> [Vd] int64 on the target's device."""
+    vocab = getattr(drafter, "draft_vocab_size", None)
+    if vocab is None or vocab == target.config.vocab_size:
+        return None
+    return drafter.to_target_ids(torch.arange(vocab, device=target.device))
+
+
 def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
                sampling: DraftSampling | None = None, score_temperature: float = 1.0,
@@ -339,7 +348,7 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     Below 1 it trusts the drafter's first choices more than its confidence says. That fits
     greedy verification: a first choice is accepted when it is the target's argmax, which happens
     more often than the confidence of a drafter trained to match the target's whole distribution
-    (on the shipped EAGLE head, 0.77 against a mean confidence well below it), so EAGLE-2's rule
+    (on the shipped EAGLE head, far more often), so EAGLE-2's rule
     spends nodes on siblings that the deeper first choices would have used better. The children
     are the same at any value; only which candidates the tree keeps changes. Sampled rows keep
     their own rank scores; a chain has nothing to choose.

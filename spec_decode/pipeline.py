@@ -12,7 +12,13 @@ One step, for every active request at once:
    ``nonfinite_counts_per_request(..., sanitize=True)`` pass over its logits, then
    ``samplers.tree_verify`` (recursive rejection with q for sampled drafts);
 4. **commit** only the accepted path's target KV; the emitted tokens and their features become
-   the next catch-up's input.
+   the next catch-up's input;
+5. **outcome** (``outcome.finish_step``): the NaN policy applied, tokens appended, finished requests
+   dropped.
+
+``SpecDecoder._spec_step`` reads these in order; the state they read and write is one
+``step.DecodeState`` (the call's ``requests.Requests`` and the active rows' device state), and the
+phases themselves are functions of ``spec_decode.step``.
 
 Host syncs: exactly one per step, the copy of the emitted tokens, their count and the per-request
 NaN/Inf/dead-row counts (packed into one tensor) that the loop needs to stop requests. The NaN
@@ -21,7 +27,7 @@ and ``sample``; so is a speculative step at depth 0 (``num_steps="auto"`` when s
 not pay).
 
 Batch layout: request ``i`` of a ``generate`` call owns slot ``i`` of every cache until it finishes;
-finished requests are dropped from every tensor (``_Batch.keep``), so requests finish independently
+finished requests are dropped from every tensor (``DecodeState.keep``), so requests finish independently
 and a finished or aborted request's state is gone before the next step.
 
 Randomness: with a seed, every request has its own generator, so its tokens depend only on its own
@@ -37,23 +43,22 @@ from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from numerics import NanPolicy
-from spec_decode.checks import (DRAFT_SAMPLING, METHODS, check_draft_sampling, check_drafter, check_method)
+from numerics import NanPolicy, NonfiniteCounts
+from spec_decode.checks import DRAFT_SAMPLING, METHODS, check_draft_sampling, check_drafter, check_method
 from spec_decode.compilation import compile_in_place
 from spec_decode.depth import DepthController, sampling_regime
-from spec_decode.drafting import (CoupledNoise, DraftSampling, DraftTree, Drafter, chain_tree, check_score_temperature,
-                                  draft_tree)
+from spec_decode.drafting import DraftTree, Drafter, check_score_temperature, draft_target_ids, draft_tree
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.lookup import check_lookup_args
 from spec_decode.models import Transformer, set_batch_invariant
 from spec_decode.outcome import StepOutcome, finish_step
-from spec_decode.padding import append_at, right_pad, shift_left_insert
+from spec_decode.padding import right_pad
 from spec_decode.requests import Requests
 from spec_decode.results import (FINISH_LENGTH, FINISH_NAN_ABORT, FINISH_STOP, NAN_KINDS, GenerationResult, NanEvent,
                                  StepStats)
 from spec_decode.seeds import request_seeds
-from spec_decode.step import (DecodeState, HostRow, catch_up, commit, copy_to_host, count_nonfinite, inject,
-                              sample_tokens, verify_tree)
+from spec_decode.step import (DecodeState, HostRow, catch_up, commit, copy_to_host, count_nonfinite, coupled_noise,
+                              draft_sampling_rows, first_queue, inject, lookup_tree, sample_tokens, verify_tree)
 from spec_decode.tree_shape import (DEFAULT_TREE_SHAPES, auto_max_steps, check_tree_shape, default_tree_shape,
                                     tree_capacity)
 
@@ -71,70 +76,26 @@ def _no_timer(name: str) -> ContextManager:
 class SpecDecoder:
     """Speculative decoder over a target model and an optional drafter.
 
-    Build it with ``SpecDecoder.from_pretrained``. ``method``: ``"eagle"`` (EAGLE-1/2 head),
-    ``"eagle3"``, ``"draft_model"`` (a plain small LM) or ``"none"`` (autoregressive baseline, same
-    model and cache). Trees: ``num_steps`` drafting depth, ``topk`` children per expanded node,
-    ``num_draft_tokens`` tree nodes including the root; ``topk=1`` and
-    ``num_draft_tokens=num_steps+1`` is a chain.
+    Build it with ``SpecDecoder.from_pretrained``, or over models already loaded (several decoders
+    can share one target). ``method``: ``"eagle"`` (EAGLE-1/2 head), ``"eagle3"``, ``"draft_model"``
+    (a plain small LM) or ``"none"`` (autoregressive baseline, same model and cache). Trees:
+    ``num_steps`` drafting depth (``"auto"``: ``DepthController`` picks it per step), ``topk``
+    children per expanded node, ``num_draft_tokens`` tree nodes including the root; ``topk=1`` and
+    ``num_draft_tokens=num_steps+1`` is a chain. ``draft_sampling``: ``"auto"``, ``"greedy"``,
+    ``"sampled"`` or ``"coupled"`` (a seeded request's tokens then depend on its prompt, parameters
+    and seed alone). ``tree_score_temperature``: how greedy trees rank candidates.
+    ``lookup_ngram`` and ``lookup_tokens``: steps that verify drafts copied from the requests'
+    contexts. ``batch_invariant``: each row of every forward in one fixed order (on by default on
+    CPU). ``compile``: the models' forwards compiled in place; the NaN pass, sampling and
+    verification stay eager.
 
-    ``num_steps="auto"``: the decoder picks the depth per step (0, a plain target step, up to
-    ``num_draft_tokens - 1``, capped at 8) from what it has measured: see ``DepthController``.
-    Either way (``trim_last_steps``, True by default) a step of greedy requests never drafts deeper
-    than the batch can still use: with at most ``r`` tokens left to any of its requests
-    (``max_new_tokens``), it drafts at most ``r - 1`` (a plain step for ``r = 1``), and such a step
-    is not reported to the controller. Batches with sampled requests keep their depth (unless
-    ``draft_sampling="coupled"``), so that a request's draws, and its tokens, do not depend on the
-    batch it runs in. ``spec-bench profile``
-    turns it off, so that every step it splits has the configured shape.
+    Each setting, its default and what it guarantees: docs/spec_decode.md (Loading, Tree shapes and
+    their defaults, Drafting and verification, Lookup steps, ``compile=True``).
 
-    ``draft_sampling``: ``"auto"`` (default) draws the drafts of requests with temperature > 0
-    from the drafter's distribution at that temperature (verified exactly by recursive rejection
-    sampling); greedy requests take the drafter's top-k. ``"greedy"`` takes top-k drafts for every
-    request (verified with the deterministic-draft rule). ``"sampled"`` samples every request's
-    drafts, greedy requests from the drafter at temperature 1 (exact too, but it accepts less at
-    temperature 0: it exists for comparisons). ``"coupled"``: every request with temperature > 0
-    draws each token at absolute position t (prompt length + the new token's index) by the Gumbel-max
-    rule with noise keyed by (its seed, t, token id) (``samplers.coupled_sample``); drafts are the
-    top-k of the drafter's processed log-probs plus the same noise, and a draft is accepted when it
-    equals the target's noised argmax (the greedy verifiers on ``samplers.coupled_scores``). A seeded
-    request's tokens are then a function of its prompt, parameters and seed alone: the same with
-    ``method="none"``, any tree shape, lookup steps or ``num_steps="auto"``, which under
-    ``"coupled"`` serve and adapt sampled batches too. Greedy requests are unchanged.
-
-    ``tree_score_temperature``: how greedy requests' trees rank candidates (``drafting.draft_tree``'s
-    ``score_temperature``). 1.0 (default) is EAGLE-2's rule, the drafter's confidence; below 1
-    keeps more of the drafter's first choices, deeper, and fewer siblings (``spec-bench tune``
-    sweeps it; the gain on the shipped EAGLE head is in the README). Chains and sampled requests are
-    not affected.
-
-    ``lookup_ngram``: 0 (default) drafts every step with the drafter. ``n >= 1`` makes a step of
-    greedy requests verify **lookup drafts** instead whenever each request's last ``n`` tokens
-    occurred before in its context (prompt and emitted tokens): the up to ``lookup_tokens`` tokens
-    (``lookup.MAX_LOOKUP_DRAFTS`` at most) that followed their latest occurrence, repeated with its
-    period past the context's end (``spec_decode.lookup``). Such a step makes no drafter call (the
-    drafter catches up on its tokens at the next drafted step), costs one target forward over the
-    drafts, and is verified and committed as any chain; it is cut to the shortest request's drafts
-    and, with
-    ``trim_last_steps``, to the tokens left; the depth controller is neither asked nor told of it.
-    Lookup pays where contexts repeat (the README has the shipped fixtures' figures). Batches with
-    sampled requests take lookup steps only under ``draft_sampling="coupled"``, so that a request's
-    tokens never depend on its batch-mates' contexts. ``method="none"`` with
-    ``lookup_ngram`` is prompt lookup decoding alone.
-
-    ``batch_invariant``: None (default) keeps the models' setting, on for CPU models: each row of
-    every forward in one fixed order, so on CPU a verify block's logits are the bits of one-at-a-time
-    decoding (``spec_decode.models.set_batch_invariant``; docs/spec_decode.md#batch-invariance).
-    False: the fastest routes; True: ValueError where there is no invariant route (CUDA).
-
-    ``phase_timer``: a callable ``name -> context manager`` entered around each phase of a step
-    (names in ``PHASES``); a no-op by default. ``spec-bench profile`` sets it.
-
-    ``compile=True`` compiles the target's and the drafter's forwards in place
-    (``nn.Module.compile(dynamic=True)``: one graph serves every batch size, block length and cache
-    length). On CPU it fuses the many small ops of these tiny models; the first ``generate`` pays
-    the compilation. The NaN pass, sampling and verification stay
-    eager, so the NaN guarantees do not depend on the compiler; fused kernels may round differently
-    from eager ones (about 1e-6 in fp32), so compare greedy outputs with a compiled ``ar``.
+    Attributes: ``trim_last_steps`` (True by default: a step of greedy or coupled requests never
+    drafts deeper than the batch can still use), ``phase_timer`` (a callable ``name -> context
+    manager`` entered around each phase of a step, names in ``PHASES``; a no-op by default,
+    ``spec-bench profile`` sets it) and ``last_stats`` (the last ``generate`` call's ``StepStats``).
     """
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
@@ -156,7 +117,7 @@ class SpecDecoder:
         self.num_steps = num_steps
         self.max_steps, self.topk, self.num_draft_tokens = max_steps, topk, num_draft_tokens
         # coupled drafts key their noise by target ids: a reduced draft vocabulary maps its ids once
-        self._coupled_token_ids = self._draft_token_ids() if draft_sampling == "coupled" else None
+        self._coupled_token_ids = draft_target_ids(drafter, target) if draft_sampling == "coupled" else None
         self.tree_score_temperature = check_score_temperature(tree_score_temperature, "tree_score_temperature")
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.lookup_ngram, self.lookup_tokens = check_lookup_args(lookup_ngram, lookup_tokens)
@@ -183,13 +144,9 @@ class SpecDecoder:
                         batch_invariant: bool | None = None) -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
-        Both are local checkpoint directories. ``dtype`` is the verification (and drafting) dtype:
-        a torch dtype or a name (``"bfloat16"``/``"bf16"``, ``"float16"``/``"fp16"``/``"half"``,
-        ``"float32"``/``"fp32"``/``"float"``). ``device``: None is CUDA when available, else the
-        CPU; or a device or its name (``"cpu"``, ``"cuda:1"``). ``num_steps``, ``topk`` and
-        ``num_draft_tokens`` left None take the device's default shape (``default_tree_shape``).
-        ``nan_policy`` falls back to the env var ``SAFESPEC_NAN_POLICY``, then ``"guard"``. The
-        drafter's layout must match ``method``.
+        Both are local checkpoint directories. ``dtype``: the verification (and drafting) dtype, a torch
+        dtype or a name (``"bf16"``, ``"float32"``, ...); ``device``: None is CUDA when available, else the
+        CPU. The other settings are ``SpecDecoder``'s; each is described in docs/spec_decode.md#loading.
         """
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -275,32 +232,17 @@ class SpecDecoder:
         generators = None if seeds is None or coupled else [torch.Generator(device=device).manual_seed(s) for s in seeds]
         seed_keys = torch.tensor(seeds, device=device) if coupled else None
         req.faults.apply(logits, 0, "target_logits", list(range(B)))
-        counts = count_nonfinite(self.nan_policy, logits, 1)
+        counts = self._nan_pass(logits, 1)
         token = sample_tokens(logits, req.sampling, seed_keys, generators, lens)   # the first new token sits at len(prompt)
         host = self._copy_to_host(token[:, None], torch.ones_like(token), counts, None)
         state = DecodeState(requests=req, active=list(range(B)), sampling=req.sampling, generators=generators,
                             seeds=seed_keys, target_cache=tcache, target_len=[len(p) for p in req.prompts], root=token,
-                            draft_len=[0] * B, **self._first_queue(req, out, ids, lens, token, max_len))
+                            draft_len=[0] * B, **first_queue(self.drafter, req, out, ids, lens, token, max_len))
         return finish_step(state, host, 0, self.nan_policy)
-
-    def _first_queue(self, req: Requests, out, ids, lens, token, max_len: int) -> dict:
-        """The drafter's cache and its first catch-up queue: the prompts and their first token (EAGLE pairs
-        the token after position t with the target feature at t). Shape: ids [B, P], lens [B], token [B]."""
-        B = len(req.prompts)
-        if self.drafter is None:
-            return dict(draft_cache=None, catch_tokens=None, catch_hidden=None, catch_lens=None, catch_len=[0] * B)
-        draft_cache = self.drafter.new_cache(B, max_len)
-        feats = self.drafter.features(out)
-        if feats is None:
-            return dict(draft_cache=draft_cache, catch_tokens=append_at(ids, lens, token), catch_hidden=None,
-                        catch_lens=lens + 1, catch_len=[len(p) + 1 for p in req.prompts])
-        req.faults.apply(feats, 0, "target_hidden", list(range(B)))
-        return dict(draft_cache=draft_cache, catch_tokens=shift_left_insert(ids, lens, token), catch_hidden=feats,
-                    catch_lens=lens, catch_len=[len(p) for p in req.prompts])
 
     def _step(self, state: DecodeState, step: int) -> StepOutcome:
         """One decode step: lookup drafts or a drafted tree at the chosen depth, verified; the depth
-        controller hears of it. Returns the surviving state, or None when every request finished."""
+        controller hears of it. Returns the outcome: the surviving state (None when every request finished)."""
         t0 = time.perf_counter()
         lookup = self._lookup_tree(state)
         depth_free = state.depth_free   # the step may finish the batch: ask before it
@@ -341,7 +283,7 @@ class SpecDecoder:
             out = self._verify_forward(state, tree)
         with self.phase_timer("verify_walk"):
             inject(state, step, "target_logits", out.logits)
-            counts = count_nonfinite(self.nan_policy, out.logits.view(B * N, -1), N)
+            counts = self._nan_pass(out.logits.view(B * N, -1), N)
             res = verify_tree(tree, out.logits, state, topk=self.topk, coupled=state.coupled,
                               draft_sampling=self.draft_sampling)   # before the commit: coupled noise reads the lengths
             host = self._copy_to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
@@ -351,15 +293,15 @@ class SpecDecoder:
             self._queue_for_drafter(state, step, tokens, feats, num, num_host)
             return finish_step(state, host, step, self.nan_policy)
 
-    def _draft(self, state: DecodeState, step: int, depth: int) -> tuple[DraftTree, object]:
+    def _draft(self, state: DecodeState, step: int, depth: int) -> tuple[DraftTree, NonfiniteCounts | None]:
         """The drafter's catch-up, its NaN counts, and a tree ``depth`` deep. Returns (tree, draft NaN counts)."""
         first_logits, first_hidden = catch_up(self.drafter, state)
         inject(state, step, "draft_logits", first_logits)
-        draft_counts = count_nonfinite(self.nan_policy, first_logits, 1, sanitize=False)
+        draft_counts = self._nan_pass(first_logits, 1, sanitize=False)
         tree = draft_tree(self.drafter, state.draft_cache, state.root, first_logits, first_hidden, num_steps=depth,
                           topk=self.topk, num_draft_tokens=min(self.num_draft_tokens, tree_capacity(depth, self.topk)),
-                          kv_len=max(state.draft_len), sampling=self._draft_sampling(state),
-                          score_temperature=self.tree_score_temperature, noise=self._coupled_noise(state))
+                          kv_len=max(state.draft_len), sampling=draft_sampling_rows(state, self.draft_sampling),
+                          score_temperature=self.tree_score_temperature, noise=coupled_noise(state, self._coupled_token_ids))
         return tree, draft_counts
 
     def _verify_forward(self, state: DecodeState, tree: DraftTree):
@@ -383,7 +325,7 @@ class SpecDecoder:
         with self.phase_timer("verify_walk"):
             logits = out.logits[:, 0]
             inject(state, step, "target_logits", logits)
-            counts = count_nonfinite(self.nan_policy, logits, 1)
+            counts = self._nan_pass(logits, 1)
             token = sample_tokens(logits, state.sampling, state.seeds, state.generators,
                                   state.target_cache.lengths + 1)   # the root sits at lengths
             ones = torch.ones_like(token)
@@ -402,6 +344,14 @@ class SpecDecoder:
             inject(state, step, "target_hidden", feats)
         if self.drafter is not None:
             state.append_catch(tokens, feats, num, num_host)
+
+    def _lookup_tree(self, state: DecodeState) -> DraftTree | None:
+        """``step.lookup_tree`` under this decoder's lookup settings."""
+        return lookup_tree(state, self.lookup_ngram, self.lookup_tokens, self.trim_last_steps)
+
+    def _nan_pass(self, logits2d: torch.Tensor, rows_per_request: int, sanitize: bool = True) -> NonfiniteCounts | None:
+        """``step.count_nonfinite`` under this decoder's NaN policy (the bench wraps it to check for syncs)."""
+        return count_nonfinite(self.nan_policy, logits2d, rows_per_request, sanitize)
 
     def _copy_to_host(self, tokens, num, counts, draft_counts) -> list[HostRow]:
         """``step.copy_to_host``, counted in ``last_stats``."""
@@ -423,32 +373,6 @@ class SpecDecoder:
             return depth
         return min(depth, state.tokens_left() - 1)
 
-    def _lookup_tree(self, state: DecodeState) -> DraftTree | None:
-        """The batch's lookup drafts (``lookup_ngram``; ``spec_decode.lookup``) as a chain tree, or None.
-
-        None (the step drafts as configured) when lookup is off, when a request samples by rejection
-        (its draws, so its tokens, would depend on its batch-mates' contexts), or when some request's last n-gram
-        did not occur before. The chains are cut to the shortest request's drafts, and, with
-        ``trim_last_steps``, to the tokens the batch can still use, as a drafted step is.
-        Shape: returns tokens [B, N] with N - 1 <= ``lookup_tokens`` drafts after the root.
-        """
-        if not self.lookup_ngram or not state.depth_free:
-            return None
-        req = state.requests
-        budget = req.lookup_budget(self.lookup_tokens)
-        if self.trim_last_steps:
-            budget = min(budget, state.tokens_left() - 1)
-        drafts = []
-        for i in state.active:
-            context, emitted = req.lookups[i], req.results[i].token_ids
-            context.extend(emitted[len(context) - len(req.prompts[i]):])   # the tokens emitted since its last step
-            drafts.append(context.drafts(budget))
-        num = min(len(d) for d in drafts)
-        if num < 1:
-            return None
-        tokens = torch.tensor([d[:num] for d in drafts], device=state.root.device)   # host -> device: no sync
-        return chain_tree(torch.cat([state.root[:, None], tokens], 1))
-
     def _pick_depth(self, regime: str, state: DecodeState) -> int:
         """The configured depth; under ``num_steps="auto"`` the controller's choice where the depth cannot
         change the tokens (greedy or coupled batches), else ``max_steps``: rejection sampling's draws
@@ -459,30 +383,3 @@ class SpecDecoder:
         if not state.depth_free:
             return self.max_steps
         return self.depth_controller.choose(regime)
-
-    def _coupled_noise(self, state: DecodeState) -> CoupledNoise | None:
-        """Coupled drafting's noise keys, or None: a child at depth d sits at position lengths + d, keyed by
-        target ids. Greedy rows of a mixed batch keep their logits (their top-k, as without coupling)."""
-        if not state.coupled:
-            return None
-        s = state.sampling
-        greedy = None if state.requests.all_sampled else (s.temperature <= 0)[:, None, None]
-        return CoupledNoise(state.seeds, state.target_cache.lengths, s, self._coupled_token_ids, greedy)
-
-    def _draft_token_ids(self) -> torch.Tensor | None:
-        """The target id of each drafter-vocabulary id (None: the drafter's vocabulary is the target's)."""
-        vocab = getattr(self.drafter, "draft_vocab_size", None)
-        if vocab is None or vocab == self.target.config.vocab_size:
-            return None
-        return self.drafter.to_target_ids(torch.arange(vocab, device=self.target.device))
-
-    def _draft_sampling(self, state: DecodeState) -> DraftSampling | None:
-        """Which rows sample their drafts (None: every row drafts greedily)."""
-        if self.draft_sampling in ("greedy", "coupled") or (
-                self.draft_sampling == "auto" and state.sampling.all_greedy):
-            return None
-        s = state.sampling
-        everyone = self.draft_sampling == "sampled" or state.requests.all_sampled
-        sampled = torch.ones_like(s.temperature, dtype=torch.bool) if everyone else s.temperature > 0
-        temperature = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
-        return DraftSampling(sampled, temperature, s.top_k, s.top_p, state.generators, all_sampled=everyone)

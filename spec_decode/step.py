@@ -1,4 +1,4 @@
-"""The state one decode step reads and writes (``DecodeState``), the verification of its tree, and its commit.
+"""The state one decode step reads and writes (``DecodeState``) and the step's phases, in the order a step runs them.
 
 A step is draft -> verify -> commit -> outcome (``SpecDecoder._spec_step``): ``DecodeState`` holds
 the call's requests and the device state of the active ones, ``catch_up`` feeds the drafter what the
@@ -16,8 +16,9 @@ import torch
 from numerics import NanPolicy, NonfiniteCounts, nonfinite_counts_per_request
 from samplers import (PLACEHOLDER_TOKEN_ID, SamplingParams, chain_speculative_sampling, coupled_sample, coupled_scores,
                       greedy_accept, greedy_tree_verify, logits_to_probs, sample, tree_verify)
-from spec_decode.drafting import DraftTree, Drafter
+from spec_decode.drafting import CoupledNoise, DraftSampling, DraftTree, Drafter, chain_tree
 from spec_decode.models import KVCache
+from spec_decode.padding import append_at, shift_left_insert
 from spec_decode.requests import Requests
 
 
@@ -101,6 +102,109 @@ class DecodeState:
         self.catch_len = [a + b for a, b in zip(self.catch_len, num_host)]
 
 
+def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor | None,
+                  generators: list[torch.Generator] | None, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row from sanitized logits [B, V] at absolute ``positions`` [B]: coupled sampling
+    keyed by ``seeds`` [B] when given and some row samples, else ``samplers.sample``. Shape: -> [B]."""
+    if seeds is not None and not sampling.all_greedy:
+        return coupled_sample(logits, seeds, positions, nan_policy="off", params=sampling)
+    return sample(logits, generator=generators, nan_policy="off", params=sampling)
+
+
+def first_queue(drafter: Drafter | None, req: Requests, out, ids, lens, token, max_len: int) -> dict:
+    """``DecodeState``'s drafter fields after the prefill: the drafter's cache and its first catch-up queue: the prompts and their first token (EAGLE pairs
+    the token after position t with the target feature at t). Shape: ids [B, P], lens [B], token [B]."""
+    B = len(req.prompts)
+    if drafter is None:
+        return dict(draft_cache=None, catch_tokens=None, catch_hidden=None, catch_lens=None, catch_len=[0] * B)
+    draft_cache = drafter.new_cache(B, max_len)
+    feats = drafter.features(out)
+    if feats is None:
+        return dict(draft_cache=draft_cache, catch_tokens=append_at(ids, lens, token), catch_hidden=None,
+                    catch_lens=lens + 1, catch_len=[len(p) + 1 for p in req.prompts])
+    req.faults.apply(feats, 0, "target_hidden", list(range(B)))
+    return dict(draft_cache=draft_cache, catch_tokens=shift_left_insert(ids, lens, token), catch_hidden=feats,
+                catch_lens=lens, catch_len=[len(p) for p in req.prompts])
+
+
+def lookup_tree(state: DecodeState, ngram: int, lookup_tokens: int, trim: bool) -> DraftTree | None:
+    """The batch's lookup drafts (``lookup_ngram=ngram``; ``spec_decode.lookup``) as a chain tree, or None.
+
+    None (the step drafts as configured) when lookup is off, when a request samples by rejection
+    (its draws, so its tokens, would depend on its batch-mates' contexts), or when some request's last n-gram
+    did not occur before. The chains are cut to the shortest request's drafts, and, with
+    ``trim`` (``trim_last_steps``), to the tokens the batch can still use, as a drafted step is.
+    Shape: returns tokens [B, N] with N - 1 <= ``lookup_tokens`` drafts after the root.
+    """
+    if not ngram or not state.depth_free:
+        return None
+    req = state.requests
+    budget = req.lookup_budget(lookup_tokens)
+    if trim:
+        budget = min(budget, state.tokens_left() - 1)
+    drafts = []
+    for i in state.active:
+        context, emitted = req.lookups[i], req.results[i].token_ids
+        context.extend(emitted[len(context) - len(req.prompts[i]):])   # the tokens emitted since its last step
+        drafts.append(context.drafts(budget))
+    num = min(len(d) for d in drafts)
+    if num < 1:
+        return None
+    tokens = torch.tensor([d[:num] for d in drafts], device=state.root.device)   # host -> device: no sync
+    return chain_tree(torch.cat([state.root[:, None], tokens], 1))
+
+
+def draft_sampling_rows(state: DecodeState, mode: str) -> DraftSampling | None:
+    """Which rows sample their drafts under ``draft_sampling=mode`` (None: every row drafts greedily)."""
+    if mode in ("greedy", "coupled") or (mode == "auto" and state.sampling.all_greedy):
+        return None
+    s = state.sampling
+    everyone = mode == "sampled" or state.requests.all_sampled
+    sampled = torch.ones_like(s.temperature, dtype=torch.bool) if everyone else s.temperature > 0
+    temperature = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
+    return DraftSampling(sampled, temperature, s.top_k, s.top_p, state.generators, all_sampled=everyone)
+
+
+def coupled_noise(state: DecodeState, token_ids: torch.Tensor | None) -> CoupledNoise | None:
+    """Coupled drafting's noise keys, or None when the batch is not coupled: a child at depth d sits at
+    position lengths + d, keyed by target ids (``token_ids`` [Vd]: the target id of each draft id, or
+    None). Greedy rows of a mixed batch keep their logits (their top-k, as without coupling)."""
+    if not state.coupled:
+        return None
+    s = state.sampling
+    greedy = None if state.requests.all_sampled else (s.temperature <= 0)[:, None, None]
+    return CoupledNoise(state.seeds, state.target_cache.lengths, s, token_ids, greedy)
+
+
+def catch_up(drafter: Drafter, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Feed the queued emitted tokens to the drafter; return its prediction after the root.
+
+    Shape: returns first_logits [B, Vd], first_hidden [B, H] or None.
+    """
+    cache = state.draft_cache
+    lens = state.catch_lens
+    # The queue is as wide as a whole step's output; columns past the longest row's queue are
+    # padding for every row, and on CPU each token of a block costs time: slice them off.
+    C = max(state.catch_len)
+    tokens = state.catch_tokens[:, :C]
+    features = None if state.catch_hidden is None else state.catch_hidden[:, :C]
+    # equal queues have no padding: the causal fast path (a batch of one always has equal queues)
+    padded = min(state.catch_len) < C
+    hidden, feedback = drafter.draft_forward(tokens, features, cache, input_lens=lens if padded else None,
+                                             kv_len=max(state.draft_len) + C)
+    if padded:
+        last = (lens - 1)[:, None, None]                                      # [B, 1, 1]
+        at_last = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
+    else:   # every queue ends at column C - 1: a view, no gather
+        at_last = lambda t: t[:, C - 1]
+    first_logits = drafter.compute_logits(at_last(hidden))
+    cache.commit(lens)
+    state.draft_len = [a + b for a, b in zip(state.draft_len, state.catch_len)]
+    state.catch_len = [0] * len(state.catch_len)
+    first_hidden = None if feedback is None else at_last(feedback)
+    return first_logits, first_hidden
+
+
 @dataclass
 class Verified:
     """What a step's verification emits. Shape: output_token_ids [B, D+1] (only the first num_emitted of a
@@ -167,44 +271,6 @@ def verify_tree(tree: DraftTree, logits: torch.Tensor, state: DecodeState, *, to
     out = chain_speculative_sampling(q, drafts, probs, generator=state.generators, nan_policy="off",
                                      backend="torch")
     return Verified(out.output_token_ids, out.num_emitted)
-
-
-def sample_tokens(logits: torch.Tensor, sampling: SamplingParams, seeds: torch.Tensor | None,
-                  generators: list[torch.Generator] | None, positions: torch.Tensor) -> torch.Tensor:
-    """One token per row from sanitized logits [B, V] at absolute ``positions`` [B]: coupled sampling
-    keyed by ``seeds`` [B] when given and some row samples, else ``samplers.sample``. Shape: -> [B]."""
-    if seeds is not None and not sampling.all_greedy:
-        return coupled_sample(logits, seeds, positions, nan_policy="off", params=sampling)
-    return sample(logits, generator=generators, nan_policy="off", params=sampling)
-
-
-def catch_up(drafter: Drafter, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Feed the queued emitted tokens to the drafter; return its prediction after the root.
-
-    Shape: returns first_logits [B, Vd], first_hidden [B, H] or None.
-    """
-    cache = state.draft_cache
-    lens = state.catch_lens
-    # The queue is as wide as a whole step's output; columns past the longest row's queue are
-    # padding for every row, and on CPU each token of a block costs time: slice them off.
-    C = max(state.catch_len)
-    tokens = state.catch_tokens[:, :C]
-    features = None if state.catch_hidden is None else state.catch_hidden[:, :C]
-    # equal queues have no padding: the causal fast path (a batch of one always has equal queues)
-    padded = min(state.catch_len) < C
-    hidden, feedback = drafter.draft_forward(tokens, features, cache, input_lens=lens if padded else None,
-                                             kv_len=max(state.draft_len) + C)
-    if padded:
-        last = (lens - 1)[:, None, None]                                      # [B, 1, 1]
-        at_last = lambda t: t.gather(1, last.expand(-1, 1, t.shape[-1]))[:, 0]
-    else:   # every queue ends at column C - 1: a view, no gather
-        at_last = lambda t: t[:, C - 1]
-    first_logits = drafter.compute_logits(at_last(hidden))
-    cache.commit(lens)
-    state.draft_len = [a + b for a, b in zip(state.draft_len, state.catch_len)]
-    state.catch_len = [0] * len(state.catch_len)
-    first_hidden = None if feedback is None else at_last(feedback)
-    return first_logits, first_hidden
 
 
 def commit(state: DecodeState, tree: DraftTree, res: Verified, num_host: list[int],

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 PANEL = 16          # output columns per packed panel (two AVX2 registers)
-# The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape: with one
-# torch thread to 128 rows (measured to 100 rows: 1.35x); with two, MKL ties at 16 rows and wins from 32.
+# The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape, with one
+# torch thread and with two (MKL's threads catch up sooner); docs/performance.md has the measurements.
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
 
