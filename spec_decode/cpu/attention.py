@@ -40,7 +40,7 @@ def invariant_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     """
     B, H, R, D = q.shape
     S = mask.shape[-1]
-    kernels = cpu_gemm._kernel()
+    kernels = cpu_gemm.loaded_kernels()
     if kernels is None:
         raise RuntimeError("the batch-invariant attention kernel is not available here (cpu_gemm.available())")
     _check(q, keys, values, mask)

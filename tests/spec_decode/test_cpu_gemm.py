@@ -165,7 +165,7 @@ def fresh_kernel():
     from spec_decode.cpu import capability as model
 
     def clear():
-        cpu_gemm._kernel.cache_clear()
+        cpu_gemm.loaded_kernels.cache_clear()
         model.panel_gemm_pays.cache_clear()
 
     clear()
@@ -213,7 +213,7 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
     assert cpu_gemm.available()
     built = list(tmp_path.glob("cpu_gemm-*.so"))
     assert len(built) == 1
-    cpu_gemm._kernel.cache_clear()
+    cpu_gemm.loaded_kernels.cache_clear()
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("rebuilt although the cache holds the library")
