@@ -63,7 +63,7 @@ bench-numerics: $(STAMP)
 	$(PY) -m spec_decode.bench numerics --threads 1
 
 demo: $(STAMP)
-	$(PY) -m numerics.demo
+	$(PY) examples/numerics_tour.py
 
 # Rebuild the trained fixtures from scratch: about 6 hours of 2 cores, resumable (run it in the
 # background; rerun the same command after an interruption). ARGS="--max-minutes 60" stops cleanly.

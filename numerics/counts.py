@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._counts_result import NonfiniteCounts
-from .sanitize import _sanitize_reference, check_float_logits
+from .counts_result import NonfiniteCounts
+from .sanitize import sanitize_reference, check_float_logits
 
 BACKENDS = ("auto", "triton", "torch")
 __all__ = ["BACKENDS", "NonfiniteCounts", "nan_counts_per_request", "nonfinite_counts_per_request"]
@@ -83,7 +83,7 @@ def _nonfinite_counts_reference(
     else:
         counts.index_add_(1, _row_owner(cu_num_rows, num_rows), _row_counts(logits))
     if sanitize:
-        _sanitize_reference(logits)
+        sanitize_reference(logits)
     return NonfiniteCounts(*counts[:, :num_reqs].unbind(0))   # one op for the three views, not six
 
 
@@ -133,9 +133,9 @@ def _pick_backend(backend: str, device: torch.device) -> str:
         return backend
     if device.type != "cuda":
         return "torch"
-    from . import _triton_counts
+    from . import triton_counts
 
-    return "triton" if _triton_counts.triton_available() else "torch"
+    return "triton" if triton_counts.triton_available() else "torch"
 
 
 def nonfinite_counts_per_request(
@@ -187,9 +187,9 @@ dead_rows=tensor([0, 0, 1], dtype=torch.int32))
         _check_cu_values(cu_num_rows, logits.shape[0])
     if _pick_backend(backend, logits.device) == "torch":
         return _nonfinite_counts_reference(logits, cu_num_rows, sanitize=sanitize)
-    from . import _triton_counts
+    from . import triton_counts
 
-    return _triton_counts.nonfinite_counts_triton(logits, cu_num_rows, sanitize=sanitize)
+    return triton_counts.nonfinite_counts_triton(logits, cu_num_rows, sanitize=sanitize)
 
 
 def nan_counts_per_request(

@@ -66,7 +66,7 @@ def check_float_logits(logits: torch.Tensor, name: str = "logits") -> None:
         )
 
 
-def _distinct_elements(x: torch.Tensor) -> torch.Tensor:
+def distinct_elements(x: torch.Tensor) -> torch.Tensor:
     """``x`` without its broadcast dimensions (stride 0, size > 1): each memory location once.
 
     In-place ops refuse an expanded view ("more than one element of the written-to tensor
@@ -79,10 +79,10 @@ def _distinct_elements(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _sanitize_reference(logits: torch.Tensor) -> torch.Tensor:
+def sanitize_reference(logits: torch.Tensor) -> torch.Tensor:
     """Pure-torch in-place sanitize; no warning, no validation, no host sync. Returns ``logits``."""
     c = _SANITIZE_BOUND[logits.dtype]
-    distinct = _distinct_elements(logits)
+    distinct = distinct_elements(logits)
     torch.nan_to_num_(distinct, nan=-c, posinf=c, neginf=-c)
     # Finite values beyond +-c would overflow after division by a small temperature.
     distinct.clamp_(-c, c)
@@ -129,7 +129,7 @@ def sanitize_nan_logits(logits: torch.Tensor, msg: str = "", *, warn: bool = Tru
     check_float_logits(logits)
     if warn:
         maybe_warn_nan(logits, msg or "sanitize_nan_logits")
-    return _sanitize_reference(logits)
+    return sanitize_reference(logits)
 
 
 def _check_rows(x: torch.Tensor) -> None:

@@ -39,11 +39,11 @@ results of ``greedy_verify`` and ``chain_speculative_sampling``.
 
 __version__ = "1.0.0"
 
-from ._nan import clean_probs
+from .nan import clean_probs
 from .coupled import coupled_noise, coupled_sample, coupled_scores
 from .draws import row_uniform, sample_without_replacement
 from .output import SamplerOutput
-from ._params import SamplingParams
+from .params import SamplingParams
 from .probs import PLACEHOLDER_TOKEN_ID, logits_to_probs, sample
 from .tree import TreeVerifyResult, greedy_tree_verify, tree_verify
 from .verify import chain_speculative_sampling, greedy_accept, greedy_verify

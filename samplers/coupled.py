@@ -48,11 +48,11 @@ from numbers import Integral
 import torch
 
 from numerics import NanPolicy
-from samplers._nan import prepare_logits
-from samplers._params import (SamplingParams, check_device, check_float_tensor, check_int_tensor, check_shape,
+from samplers.nan import prepare_logits
+from samplers.params import (SamplingParams, check_device, check_float_tensor, check_int_tensor, check_shape,
                               check_vocab)
 from samplers.output import SamplerOutput
-from samplers.probs import _params, process_logits
+from samplers.probs import process_logits, resolve_params
 
 _U64 = 1 << 64
 
@@ -181,9 +181,9 @@ def _noise(seeds, positions, vocab_size, token_ids, base, backend: str) -> torch
     """Dispatch of the noise (plus base) on the chosen backend; arguments as in the reference."""
     if backend != "triton":
         return _coupled_noise_reference(seeds, positions, vocab_size, token_ids, base)
-    from samplers import _triton_coupled
+    from samplers import triton_coupled
 
-    return _triton_coupled.coupled_noise_triton(seeds, positions, vocab_size, token_ids, base)
+    return triton_coupled.coupled_noise_triton(seeds, positions, vocab_size, token_ids, base)
 
 
 def _check_backend(backend) -> str:
@@ -233,7 +233,7 @@ def coupled_scores(
     holding NaN scores NaN (``nonfinite_rows``/``dead_rows`` are still computed when asked).
     """
     seeds, positions = _check(logits, seeds, positions, backend)
-    params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
+    params = resolve_params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
     vocab, token_ids = _check_token_ids(token_ids, logits.shape[-1], logits.device)
     prep = prepare_logits(logits, nan_policy, report=return_nonfinite)  # per batch row, before the flattening
     if logits.dim() == 3:  # row b*N + n holds logits[b, n]
@@ -319,7 +319,7 @@ def coupled_sample(
     """
     check_float_tensor(logits, "logits", 2)
     seeds, positions = _check(logits, seeds, positions, backend)
-    params = _params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
+    params = resolve_params(params, logits.shape[0], logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the noised one-hot gives, without the [B, V] noise

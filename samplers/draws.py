@@ -18,7 +18,7 @@ from numbers import Integral
 
 import torch
 
-from samplers._params import check_generator
+from samplers.params import check_generator
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 

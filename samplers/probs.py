@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from numerics import SANITIZE_MAX, NanPolicy
-from samplers._nan import prepare_logits
-from samplers._params import SamplingParams, check_float_tensor, check_generator, check_vocab
+from samplers.nan import prepare_logits
+from samplers.params import SamplingParams, check_float_tensor, check_generator, check_vocab
 from samplers.draws import Generators, race_sample
 from samplers.output import SamplerOutput
 
@@ -116,7 +116,7 @@ def logits_to_probs(
     check_float_tensor(logits, "logits", 2)
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
-    params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
+    params = resolve_params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     probs = process_logits(prep.work, params)
     if not return_nonfinite:
@@ -200,7 +200,7 @@ def sample(
     batch, vocab = logits.shape
     check_vocab(vocab, "logits")
     check_generator(generator, logits.device, batch)
-    params = _params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
+    params = resolve_params(params, batch, logits.device, temperature, top_k, top_p, min_p, check_inputs)
     prep = prepare_logits(logits, nan_policy, report=return_nonfinite)
     if params.all_greedy:
         ids = prep.work.argmax(-1)  # what the race gives on a one-hot, without the [B, V] draw
@@ -211,7 +211,7 @@ def sample(
     return SamplerOutput(("ids", "nonfinite_rows"), ids=ids, nonfinite_rows=prep.nonfinite, dead_rows=prep.dead)
 
 
-def _params(params: SamplingParams | None, batch: int, device, temperature, top_k, top_p, min_p,
+def resolve_params(params: SamplingParams | None, batch: int, device, temperature, top_k, top_p, min_p,
             check_inputs: bool) -> SamplingParams:
     """``params`` when given (checked against the batch and device), else the parsed arguments."""
     if params is None:

@@ -19,9 +19,9 @@ from numbers import Integral
 import torch
 
 from numerics import NanPolicy
-from samplers import _rejection
-from samplers._nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
-from samplers._params import (
+from samplers import rejection
+from samplers.nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
+from samplers.params import (
     SamplingParams,
     check_device,
     check_float_tensor,
@@ -415,7 +415,7 @@ class _Walk:
 
 def _greedy_paths(tree: _Tree, tokens, token_ok, argmax_ids, depth_bound, nonfinite, dead,
                   ancestors: torch.Tensor | None = None) -> TreeVerifyResult:
-    """Greedy verification of every row at once: what the level walk gives, in a fixed ~40 ops.
+    """Greedy verification of every row at once: what the level walk gives, in a fixed number of ops.
 
     Node i passes when its token is the argmax at its parent, it is reachable with an in-range
     token and lies within ``depth_bound``, and no earlier sibling passes (the walk follows the
@@ -521,9 +521,9 @@ def _follow_rejection(p, q, is_child, walk, children_bound, node_u):
         sampled_accept = (qx > 0) & (px >= u * qx)  # min(1, p/q) >= u, division guarded
         accept = live & torch.where(walk.greedy, px > 0, sampled_accept)
         reject = (live & ~walk.greedy & (qx > 0) & ~accept).unsqueeze(1)  # only real draws from q recurse
-        p_next = _rejection.residual(p, q)
+        p_next = rejection.residual(p, q)
         if walk.without_replacement and r + 1 < children_bound:   # the last sibling's q is never read
-            q = torch.where(reject, _rejection.without_token(q, x.squeeze(1)), q)
+            q = torch.where(reject, rejection.without_token(q, x.squeeze(1)), q)
         p = torch.where(reject, p_next, p)
         chosen = torch.where(accept, child, chosen)
         found = found | accept

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from numerics import NanPolicy, dead_row_mask
-from samplers import _rejection
-from samplers._nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
-from samplers._params import (
+from samplers import rejection
+from samplers.nan import argmax_dtype, clean_probs, prepare_logits, raise_if_nan_probs
+from samplers.params import (
     check_device,
     check_float_tensor,
     check_generator,
@@ -281,7 +281,7 @@ def _final_token(p, q, num, generator):
     p_at = p.gather(1, idx).squeeze(1)  # [B, V]
     q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)  # the bonus position has q = 0
     q_at = q_pad.gather(1, idx).squeeze(1)
-    return race_sample(_rejection.residual(p_at, q_at), generator)
+    return race_sample(rejection.residual(p_at, q_at), generator)
 
 
 _FLASHINFER_MISSING = object()

@@ -9,7 +9,7 @@ from collections import deque
 from samplers import SamplingParams
 
 
-def _regime(sampling: SamplingParams) -> str:
+def sampling_regime(sampling: SamplingParams) -> str:
     """Acceptance differs between greedy and sampled batches; the controller keeps them apart."""
     return "greedy" if sampling.all_greedy else "sampled"
 
@@ -19,9 +19,9 @@ class DepthController:
 
     It keeps, per regime (all-greedy batches vs batches with sampled requests):
 
-    * **step costs measured side by side.** A shared machine's speed drifts by tens of percent
-      within minutes and jitters by 10-20 % from step to step, while neighbouring depths differ
-      by 5-10 %. So costs are never compared across time: every probe (a step at a depth other
+    * **step costs measured side by side.** A shared machine's speed drifts within minutes and
+      jitters from step to step by more than neighbouring depths differ (docs/performance.md has
+      the figures). So costs are never compared across time: every probe (a step at a depth other
       than the current choice) is compared with the steps at the choice just before and just
       after it, as ``log(t_probe / mean(t_before, t_after))``. Between drafting depths, each such
       ratio over the depth difference is one sample of the cost's slope per depth (a depth adds
@@ -41,8 +41,8 @@ class DepthController:
     steps (until then the best drafting depth runs). Then a neighbour of the current choice runs
     once every ``probe_every`` steps, the depth above and the depth below in turn (one direction at
     the ends; from plain steps, the best drafting depth, whose steps observe every level); the interval
-    doubles (up to 4x) while probes leave the choice unchanged and resets when it changes. Near the
-    best depth the rate is flat, so a probe costs a few percent of one step. A depth's first timed
+    doubles (up to ``4 * probe_every``) while probes leave the choice unchanged and resets when it
+    changes. Near the best depth the rate is flat, so a probe costs little. A depth's first timed
     step is not used (its first calls at new shapes build their kernels, so it runs slow).
     A step whose time the decoder marks unrepresentative (``seconds=None``: it caught up a backlog)
     runs again at the same depth right after, so that a probe after plain steps still gets timed.
@@ -107,8 +107,8 @@ class DepthController:
 
 
 PRIOR_TRIES = 8   # pseudo-tries that pull a level's pass rate towards the pooled rate
-# Drafted steps seen before plain steps may be chosen: at a 0.6 pass rate, 3 misses in the first 4
-# drafts are 18 % likely, and plain steps observe no acceptance to correct that guess.
+# Drafted steps seen before plain steps may be chosen: even a good drafter misses most of its first
+# few drafts now and then, and plain steps observe no acceptance to correct that guess.
 MIN_FIRST_LEVEL_TRIES = 12
 
 

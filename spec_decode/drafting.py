@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from numerics import sanitize_nan_logits
-from samplers import SamplingParams, logits_to_probs, sample_without_replacement
-from samplers._params import float32_value, shown_value
+from samplers import SamplingParams, coupled_scores, logits_to_probs, sample_without_replacement
+from samplers.params import float32_value, shown_value
 from samplers.tree import ancestor_mask  # noqa: F401  (part of this module's API)
 
 NO_PARENT = -1
@@ -286,13 +286,48 @@ def _keep_prefixes(prio: Tensor, count: int) -> Tensor:
 
 LogitsTransform = Callable[[Tensor, int], Tensor]
 """``(logits [B, F, Vd], depth) -> scores [B, F, Vd]``: what drafting ranks instead of the drafter's
-logits, for children at tree depth ``depth`` (coupled sampling adds each position's noise)."""
+logits, for children at tree depth ``depth`` (``CoupledNoise.scores`` adds each position's noise)."""
+
+
+@dataclass(frozen=True)
+class CoupledNoise:
+    """Coupled drafting's noise keys (``draft_sampling="coupled"``): greedy drafting then ranks the
+    drafter's processed log-probs plus the Gumbel noise that the target's draw at the same position
+    uses (``samplers.coupled_scores``), so the drafts are the likeliest guesses of that draw.
+
+    Shape: seeds [B] int64 (each request's noise key); positions [B] int64, the root's absolute
+    position (a child at depth d sits at positions + d); token_ids [Vd] int64, the target id of each
+    draft id, or None when the vocabularies are one; greedy_rows [B, 1, 1] bool, rows that keep their
+    logits (greedy requests of a mixed batch), or None when every row samples.
+    """
+
+    seeds: Tensor
+    positions: Tensor
+    params: SamplingParams
+    token_ids: Tensor | None
+    greedy_rows: Tensor | None
+
+    def scores(self, logits: Tensor, depth: int) -> Tensor:
+        """What drafting ranks for children at ``depth`` (a ``LogitsTransform``). Shape: [B, F, Vd] -> same."""
+        B, F, _ = logits.shape
+        scores = coupled_scores(logits, self.seeds, (self.positions + depth)[:, None].expand(B, F), nan_policy="off",
+                                params=self.params, token_ids=self.token_ids)
+        return scores if self.greedy_rows is None else torch.where(self.greedy_rows, logits.float(), scores)
+
+
+def draft_target_ids(drafter: Drafter, target) -> Tensor | None:
+    """The target id of each drafter-vocabulary id (None: the drafter's vocabulary is the ``target``'s).
+    Shape: -> [Vd] int64 on the target's device."""
+    vocab = getattr(drafter, "draft_vocab_size", None)
+    if vocab is None or vocab == target.config.vocab_size:
+        return None
+    return drafter.to_target_ids(torch.arange(vocab, device=target.device))
 
 
 def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
                num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
                sampling: DraftSampling | None = None, score_temperature: float = 1.0,
-               transform: LogitsTransform | None = None) -> DraftTree:
+               noise: CoupledNoise | None = None) -> DraftTree:
     """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
 
     Shape:
@@ -313,18 +348,18 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     Below 1 it trusts the drafter's first choices more than its confidence says. That fits
     greedy verification: a first choice is accepted when it is the target's argmax, which happens
     more often than the confidence of a drafter trained to match the target's whole distribution
-    (on the shipped EAGLE head, 0.77 against a mean confidence well below it), so EAGLE-2's rule
+    (on the shipped EAGLE head, far more often), so EAGLE-2's rule
     spends nodes on siblings that the deeper first choices would have used better. The children
     are the same at any value; only which candidates the tree keeps changes. Sampled rows keep
     their own rank scores; a chain has nothing to choose.
 
-    ``transform``: greedy drafting ranks ``transform(logits, depth)`` instead of the logits of the
-    children at ``depth`` (``LogitsTransform``); it needs ``sampling=None``.
+    ``noise``: coupled drafting, whose greedy rows rank ``noise.scores(logits, depth)`` instead of the
+    logits of the children at ``depth`` (``CoupledNoise``); it needs ``sampling=None``.
     """
     score_temperature = check_score_temperature(score_temperature)
-    if transform is not None and sampling is not None:
-        raise ValueError("transform ranks greedy drafts: pass sampling=None with it")
-    transform = transform or _no_transform
+    if noise is not None and sampling is not None:
+        raise ValueError("noise ranks greedy drafts: pass sampling=None with it")
+    transform = _no_transform if noise is None else noise.scores
     if topk == 1 and num_draft_tokens == num_steps + 1:
         return _draft_chain(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, kv_len=kv_len,
                             sampling=sampling, transform=transform)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""Short name -> torch dtype."""
+from spec_decode.dtype_names import DTYPE_NAMES
 
-DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+"""Short name -> torch dtype."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -2,7 +2,7 @@
 
 Subcommands (``spec-bench [SUBCOMMAND] [OPTIONS]``, or ``python -m spec_decode.bench``):
 
-* *(none)*: the end-to-end benchmark (``spec_decode.bench.run``); writes ``DIR/results.json`` and
+* *(none)*: the end-to-end benchmark (``spec_decode.bench.harness``, the harness the other subcommands share); writes ``DIR/results.json`` and
   ``DIR/results.png``. With no options it runs on the shipped tiny fixtures and held-out prompts.
 * ``numerics``: the sanitize-and-count micro-benchmark (``spec_decode.bench.numerics_bench``);
   writes ``DIR/numerics.json``.

@@ -34,7 +34,8 @@ import math
 import os
 from pathlib import Path
 
-from spec_decode.bench.config import DTYPE_NAMES, SEED_LIMIT, default_fixtures_dir
+from spec_decode.bench.config import BENCH_DTYPES, default_fixtures_dir
+from spec_decode.seeds import SEED_LIMIT
 from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
 
 DEVICES = "auto, cpu, cuda or cuda:N"
@@ -77,7 +78,7 @@ def nonneg_float(text: str) -> float:
     """An argparse type: a finite number >= 0 (a temperature), as the float32 the samplers hold it in: one that
     rounds to 0 there is 0.0 (greedy, as the library takes it), so ``0,1e-46`` is one temperature twice; one
     past float32's range (``1e39``) is an error, as the library would raise mid-run."""
-    from samplers._params import float32_value
+    from samplers.params import float32_value
 
     value = _finite(text, "a finite number >= 0")
     if value < 0 or math.isinf(float32_value(value)):
@@ -228,9 +229,9 @@ def add_device_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """``--dtype``: one of ``config.DTYPE_NAMES`` (argparse's ``choices``: an empty or unknown name is an error)."""
-    p.add_argument("--dtype", default=None, choices=DTYPE_NAMES,
-                   help=f"{', '.join(DTYPE_NAMES)} (default: fp32 on CPU, bf16 on CUDA)")
+    """``--dtype``: one of ``config.BENCH_DTYPES`` (argparse's ``choices``: an empty or unknown name is an error)."""
+    p.add_argument("--dtype", default=None, choices=BENCH_DTYPES,
+                   help=f"{', '.join(BENCH_DTYPES)} (default: fp32 on CPU, bf16 on CUDA)")
 
 
 def add_compile_arg(p: argparse.ArgumentParser) -> None:

@@ -71,7 +71,7 @@ def checked_prompts(args, extra: int = 0) -> list[list[int]]:
     """Check the target and the EAGLE head (``run.check_models``) and read ``args.num_prompts + extra`` prompts
     (and the one after, when present; none when ``args.num_prompts`` is 0) whose longest must leave room for
     ``args.max_new_tokens``, without loading a model. Raises BenchInputError naming the option at fault."""
-    from spec_decode.bench.run import check_models
+    from spec_decode.bench.harness import check_models
 
     config = check_models(args.target, {"eagle": args.eagle})
     if not args.num_prompts:

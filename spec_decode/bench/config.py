@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from spec_decode.fixtures import find_fixtures_dir, missing_fixtures_hint
+from spec_decode.seeds import SEED_LIMIT
 
 # Keys of results.json["methods"]; the order is the order of the table and the figure.
 COUPLED_TWINS = ("eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eagle3_tree")
@@ -16,11 +17,12 @@ DEFAULT_METHODS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_cha
                    "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
 """What ``spec-bench`` runs unless ``--methods`` says otherwise."""
 METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup")
-DTYPE_NAMES = ("fp32", "bf16")
+BENCH_DTYPES = ("fp32", "bf16")
+"""The dtypes the bench measures, of ``dtype_names.DTYPE_NAMES`` (fp16 runs in the tests and
+``tools/smollm2_fp16.py``, not in the bench)."""
 NAN_MODES = ("off", "sanitize", "abort", "guard")   # "off" first: the baseline of the NaN-policy stage
 DEFAULT_NUM_PROMPTS = 16
 DEFAULT_MAX_NEW_TOKENS = 64
-SEED_LIMIT = 2**63   # seeds are ints in [0, SEED_LIMIT), the library's range (``SpecDecoder.generate``)
 
 
 @dataclass(frozen=True)
@@ -214,9 +216,9 @@ class BenchConfig:
         bad = [t for t in self.temperatures if not (t >= 0 and t != float("inf"))]
         if bad or not self.temperatures:
             raise ValueError(f"--temperatures must be finite numbers >= 0, got {list(self.temperatures)}")
-        bad = [d for d in self.dtypes if d not in DTYPE_NAMES]
+        bad = [d for d in self.dtypes if d not in BENCH_DTYPES]
         if bad or not self.dtypes:
-            raise ValueError(f"--dtype must be a comma list of {DTYPE_NAMES}, got {list(self.dtypes)}")
+            raise ValueError(f"--dtype must be a comma list of {BENCH_DTYPES}, got {list(self.dtypes)}")
         check_checkpoint_dir("--target", self.target)
         check_prompts_file(self.prompts)
         try:

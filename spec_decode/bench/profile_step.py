@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from spec_decode import pipeline
     from spec_decode.bench.methods import ModelCache
-    from spec_decode.bench.run import check_inputs
+    from spec_decode.bench.harness import check_inputs
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -437,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--verify-tokens N``: ``verify_cost`` over the prompts, printed (and written to ``--json``)."""
     from spec_decode.bench.methods import ModelCache
-    from spec_decode.bench.run import check_inputs
+    from spec_decode.bench.harness import check_inputs
 
     try:
         device = args.device

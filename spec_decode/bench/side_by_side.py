@@ -16,7 +16,7 @@ from pathlib import Path
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_input_args, add_run_args, add_threads_arg,
                                     csv_list, input_paths, missing_bench_extra, nonneg_float, nonneg_int, out_dir,
                                     positive_int, seed)
-from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHODS, DEFAULT_NUM_PROMPTS, DTYPE_NAMES,
+from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHODS, DEFAULT_NUM_PROMPTS, BENCH_DTYPES,
                                       METHOD_KEYS, BenchConfig, BenchInputError, default_dtype_name)
 
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", type=csv_list(choices=METHOD_KEYS), default=DEFAULT_METHODS,
                    help=f"comma list of {','.join(METHOD_KEYS)} (default: all but {extra})")
     p.add_argument("--out", type=out_dir, default=Path("bench_out"), help="output directory (default ./bench_out)")
-    p.add_argument("--dtype", type=csv_list(choices=DTYPE_NAMES), default=None,
+    p.add_argument("--dtype", type=csv_list(choices=BENCH_DTYPES), default=None,
                    help="comma list of fp32,bf16; the first is the headline (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0),
                    help="comma list (default 0,1)")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from spec_decode.bench.report import markdown_table
-    from spec_decode.bench.run import run_bench
+    from spec_decode.bench.harness import run_bench
 
     from spec_decode.bench.machine import torch_threads
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.args import csv_list, nonneg_float, positive_int, seed
-from spec_decode.bench.config import DTYPE_NAMES, METHOD_KEYS, BenchConfig, BenchInputError, default_fixtures_dir
+from spec_decode.bench.config import BENCH_DTYPES, METHOD_KEYS, BenchConfig, BenchInputError, default_fixtures_dir
 
 SUITES = ("smollm2",)
 SMOLLM2_BASE_METHODS = ("ar", "lookup", "hf_generate", "hf_lookup")
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "2 cores)")
     p.add_argument("--max-new-tokens", type=positive_int, default=SMOLLM2_MAX_NEW_TOKENS)
     p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0), help="default 0,1")
-    p.add_argument("--dtype", type=csv_list(choices=DTYPE_NAMES), default=("fp32", "bf16"), help="default fp32,bf16")
+    p.add_argument("--dtype", type=csv_list(choices=BENCH_DTYPES), default=("fp32", "bf16"), help="default fp32,bf16")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=seed, default=0)
     heads = smollm2_heads(fx)
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from spec_decode.bench.machine import torch_threads
     from spec_decode.bench.prompt_sets import smollm2_prompt_file
-    from spec_decode.bench.run import run_bench, write_results
+    from spec_decode.bench.harness import run_bench, write_results
     from spec_decode.fixtures import smollm2_target_dir
 
     try:

@@ -129,7 +129,7 @@ def run_tune(cfg: BenchConfig, method: str, shapes, first_prompt: int = 0) -> di
     from spec_decode.bench.machine import machine_info
     from spec_decode.bench.methods import ModelCache, checked_load
     from spec_decode.bench.report import plot_tune
-    from spec_decode.bench.run import (add_speedups, check_inputs, measure_interleaved, summarize_calls, temp_key,
+    from spec_decode.bench.harness import (add_speedups, check_inputs, measure_interleaved, summarize_calls, temp_key,
                                        write_results)
 
     out = check_out_dir(cfg.out, outputs=("tune.json", "tune.png"))

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from spec_decode.cpu import cpu_gemm
-from spec_decode.cpu.cpu_gemm import _fma_f32
+from spec_decode.cpu.cpu_gemm import fma_f32
 
 _LANES = 8   # the kernel's dot product: lane l sums d = l, l + 8, ...
 
@@ -40,7 +40,7 @@ def invariant_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     """
     B, H, R, D = q.shape
     S = mask.shape[-1]
-    kernels = cpu_gemm._kernel()
+    kernels = cpu_gemm.loaded_kernels()
     if kernels is None:
         raise RuntimeError("the batch-invariant attention kernel is not available here (cpu_gemm.available())")
     _check(q, keys, values, mask)
@@ -91,11 +91,11 @@ def reference_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     whole = D // _LANES * _LANES
     lanes = torch.zeros(*qs.shape[:3], S, _LANES)
     for d0 in range(0, whole, _LANES):
-        lanes = _fma_f32(qs[..., d0:d0 + _LANES].double() * k[..., d0:d0 + _LANES].double(), lanes)
+        lanes = fma_f32(qs[..., d0:d0 + _LANES].double() * k[..., d0:d0 + _LANES].double(), lanes)
     l = lanes.unbind(-1) if whole else [torch.zeros(*qs.shape[:3], S)] * _LANES
     score = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))   # (B, H, R, S)
     for d in range(whole, D):
-        score = _fma_f32(qs[..., d].double() * k[..., d].double(), score)
+        score = fma_f32(qs[..., d].double() * k[..., d].double(), score)
     visible = mask.expand(-1, q.shape[1], -1, -1)
     m = torch.where(visible & ~score.isnan(), score, f32(float("-inf"))).amax(-1, keepdim=True)
     p = torch.where(visible, reference_exp(score - m), f32(0.0))
@@ -104,7 +104,7 @@ def reference_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     for s in range(S):
         seen = visible[..., s]
         den = torch.where(seen, den + p[..., s], den)
-        acc = torch.where(seen[..., None], _fma_f32(p[..., s, None].double() * v[:, :, None, s].double(), acc), acc)
+        acc = torch.where(seen[..., None], fma_f32(p[..., s, None].double() * v[:, :, None, s].double(), acc), acc)
     return acc / den[..., None]
 
 

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 PANEL = 16          # output columns per packed panel (two AVX2 registers)
-# The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape: with one
-# torch thread to 128 rows (measured to 100 rows: 1.35x); with two, MKL ties at 16 rows and wins from 32.
+# The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape, with one
+# torch thread and with two (MKL's threads catch up sooner); docs/performance.md has the measurements.
 MAX_ROWS = 128
 MAX_ROWS_THREADED = 16
 
@@ -72,7 +72,7 @@ def max_rows(threads: int) -> int:
 
 def available() -> bool:
     """True when ``PanelWeight`` can run here: an x86-64 CPU with AVX2 and FMA, and the kernel built."""
-    return _kernel() is not None
+    return loaded_kernels() is not None
 
 
 ISAS = {"avx2": 1, "avx512": 2}   # the projection kernel's paths: 8 lanes (AVX2) or 16 (AVX-512F)
@@ -80,7 +80,7 @@ ISAS = {"avx2": 1, "avx512": 2}   # the projection kernel's paths: 8 lanes (AVX2
 
 def isa() -> str | None:
     """The path the projections run: ``"avx512"`` on a CPU with AVX-512F, else ``"avx2"``; None without the kernel."""
-    kernels = _kernel()
+    kernels = loaded_kernels()
     return None if kernels is None else {v: k for k, v in ISAS.items()}[kernels.isa(-1)]
 
 
@@ -90,7 +90,7 @@ def set_isa(name: str | None) -> str | None:
     the same bits for every input: this is for tests and measurements."""
     if name is not None and name not in ISAS:
         raise ValueError(f"isa must be one of {sorted(ISAS)} or None, got {name!r}")
-    kernels = _kernel()
+    kernels = loaded_kernels()
     if kernels is None:
         return None
     return {v: k for k, v in ISAS.items()}[kernels.isa(0 if name is None else ISAS[name])]
@@ -120,7 +120,7 @@ class PanelWeight:
         if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype not in KERNEL_DTYPES or not bias.is_cpu):
             raise ValueError(f"bias must be a float32 or bfloat16 CPU tensor [{N}], got {bias.dtype} "
                              f"{tuple(bias.shape)} on {bias.device}")
-        self._kernels = _kernel()
+        self._kernels = loaded_kernels()
         if self._kernels is None:
             raise RuntimeError("the panel kernel is not available here (see spec_decode.cpu.cpu_gemm.available)")
         num_panels = -(-N // PANEL)
@@ -174,11 +174,11 @@ def reference_panel_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None
     acc = torch.zeros(x.shape[0], weight.shape[0]) if bias is None else bias.expand(x.shape[0], -1).clone()
     x64, w64 = x.double(), weight.double()
     for k in range(x.shape[1]):
-        acc = _fma_f32(x64[:, k, None] * w64[None, :, k], acc)
+        acc = fma_f32(x64[:, k, None] * w64[None, :, k], acc)
     return acc
 
 
-def _fma_f32(product: Tensor, acc: Tensor) -> Tensor:
+def fma_f32(product: Tensor, acc: Tensor) -> Tensor:
     """float32 ``fma(a, b, acc)`` given the exact product a * b in float64 (exact: 24 + 24 bits <= 53).
 
     The float64 sum s can itself round. Rounding s to float32 then errs only where s landed exactly
@@ -214,7 +214,7 @@ class _Kernels:
 
 
 @functools.cache
-def _kernel() -> _Kernels | None:
+def loaded_kernels() -> _Kernels | None:
     """The loaded kernels (ctypes functions), or None where they cannot run."""
     if os.environ.get("SAFESPEC_PANEL_GEMM", "1") == "0" or not _cpu_has_avx2_fma():
         return None

@@ -22,11 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:   # triton is an optional extra
-    triton = None
+from numerics.triton_import import tl, triton
 
 BLOCK_S = 32   # keys per block, aligned to cache row 0: fixed, never picked by S
 

@@ -18,11 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:   # triton is an optional extra
-    triton = None
+from numerics.triton_import import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32   # fixed: a row's bits must not follow the row count
 _DTYPES = (torch.float32, torch.bfloat16)

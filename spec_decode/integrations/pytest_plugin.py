@@ -39,12 +39,12 @@ from pathlib import Path
 
 import pytest
 
+from spec_decode.dtype_names import DTYPE_NAMES
 from spec_decode.fixtures import (DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, FIXTURES_ENV, PROMPTS_FILE, TARGET_SUBDIR,
                                   find_fixtures_dir)
 
 DTYPE_ENV = "SAFESPEC_TEST_DTYPE"
 NAN_POLICY_ENV = "SAFESPEC_NAN_POLICY"
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_DTYPE = "bf16"
 DEFAULT_TEST_NAN_POLICY = "raise"  # inside tests no NaN may hide
 NAN_POLICY_MARKER = "safespec_nan_policy"

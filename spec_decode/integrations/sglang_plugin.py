@@ -61,7 +61,7 @@ from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logit
 from samplers import clean_probs
 from spec_decode.integrations.sglang_ranks import (add_counts_to_pp_tensors, agree, attach_relayed_counts,
                                                    check_ranks_agree, fall_back_without_pp_relay, rank_config,
-                                                   sampler_groups, verify_groups, _detach_counts)
+                                                   sampler_groups, verify_groups, detach_counts)
 from spec_decode.integrations.sglang_types import (  # noqa: F401 (COUNT_ROWS: re-exported)
     ABORTING_POLICIES, COUNT_ROWS, PP_TENSOR_PREFIX, NanCountsOnDevice, NanCountsOnHost, PluginState, SGLangPluginError)
 
@@ -491,7 +491,7 @@ def _pp_hooks(state: PluginState) -> dict:
 
     def pp_send_hook(original_fn, scheduler, result, batch, *args, **kwargs):
         """Last stage: put the counts in the output dict SGLang sends round the PP ring."""
-        ours = _detach_counts(getattr(result, "logits_output", None))
+        ours = detach_counts(getattr(result, "logits_output", None))
         tensor_dict = original_fn(scheduler, result, batch, *args, **kwargs)
         add_counts_to_pp_tensors(tensor_dict, ours)
         return tensor_dict

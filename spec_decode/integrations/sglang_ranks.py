@@ -66,7 +66,7 @@ def verify_groups() -> tuple:
     return (group.device_group,) if group.world_size > 1 else ()
 
 
-def _detach_counts(logits_output) -> list:
+def detach_counts(logits_output) -> list:
     """Take every ``NanCountsOnDevice`` out of ``logits_output``'s auxiliary device output; return them.
 
     SGLang's PP transport takes one auxiliary output; a composite with another plugin's

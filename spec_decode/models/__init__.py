@@ -14,13 +14,14 @@ tree mask
     uncommitted rows, so a drafter can append one tree depth per call and attend to the rows it wrote
     before (nothing is committed until ``KVCache.commit``). ``None`` means causal, i.e. a chain.
 
-Modules: ``config`` (``ModelConfig``, rope), ``kv_cache``, ``masks`` (a forward's positions and
+Modules: ``config`` (``ModelConfig``), ``rope`` (rotary embedding), ``kv_cache``, ``masks`` (a forward's positions and
 attention mask), ``layers``, ``transformer``, ``eagle`` (the EAGLE-1/2 and EAGLE-3 heads),
 ``checkpoint`` (HF checkpoint files). Linear layers come from ``spec_decode.cpu``, the one seam to
 the CPU backend.
 """
 
-from spec_decode.models.config import ModelConfig, apply_rope, rope_cos_sin, rope_inv_freq
+from spec_decode.models.config import ModelConfig
+from spec_decode.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, load_drafter
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import Attention, DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan

@@ -81,7 +81,8 @@ from torch import Tensor, nn
 
 from spec_decode.cpu import Linear
 from spec_decode.models.checkpoint import load_state_dict, read_key_names, save_state_dict
-from spec_decode.models.config import ModelConfig, RopeFrequencies
+from spec_decode.models.config import ModelConfig
+from spec_decode.models.rope import RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import MLP, Attention, DecoderLayer, RMSNorm, set_exact_nan
 from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args

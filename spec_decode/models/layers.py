@@ -8,7 +8,8 @@ from torch import Tensor, nn
 
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.attention import invariant_attention
-from spec_decode.models.config import ModelConfig, apply_rope
+from spec_decode.models.config import ModelConfig
+from spec_decode.models.rope import apply_rope
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.masks import LayerInputs
 

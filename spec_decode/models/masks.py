@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from spec_decode.models.config import RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
+from spec_decode.models.rope import RopeFrequencies, rope_rows
 
 
 @dataclass
@@ -162,7 +162,7 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
     write_pos = lengths[:, None] + _positions(past + num_new, lengths.device)[past:]  # (B, T)
     if position_ids is None:
         position_ids = write_pos
-    cos_sin = _rope_rows(module, cache, position_ids.to(lengths.device), dtype)  # (B, T, 2D)
+    cos_sin = rope_rows(module, cache, position_ids.to(lengths.device), dtype)  # (B, T, 2D)
     B, D = lengths.shape[0], cos_sin.shape[-1] // 2
     cos_sin = cos_sin.view(B, num_new, 1, 2 * D)
     n_rep = _n_rep(module)
@@ -172,16 +172,6 @@ def prepare_block(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: 
         mask = build_attention_mask(lengths, num_new, kv_len or cache.max_len, tree_mask, input_lens, n_rep)
     return LayerInputs(cos_sin[..., :D], cos_sin[..., D:], write_pos, cache.row_index(write_pos), mask,
                        _mask_bias(mask, dtype))
-
-
-def _rope_rows(module: RopeFrequencies, cache: KVCache, positions: Tensor, dtype: torch.dtype) -> Tensor:
-    """cos and sin of ``positions`` [B, T] from ``module``'s table: [B, T, 2D], or ValueError past its end."""
-    table = module.rope_table(cache.max_len, dtype)
-    try:
-        return F.embedding(positions, table)
-    except IndexError:
-        raise ValueError(f"position_ids must lie in [0, {table.shape[0]}) for this cache (max_len "
-                         f"{cache.max_len})") from None
 
 
 def _n_rep(module: RopeFrequencies) -> int:
@@ -218,7 +208,7 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
     lengths = cache.lengths
     B, C = lengths.shape[0], num_calls
     write_pos = lengths[:, None] + _positions(C, lengths.device)  # (B, C)
-    cos_sin = _rope_rows(module, cache, write_pos, dtype)  # (B, C, 2D)
+    cos_sin = rope_rows(module, cache, write_pos, dtype)  # (B, C, 2D)
     D = cos_sin.shape[-1] // 2
     n_rep = _n_rep(module)
     full = cache.max_len if kv_len is None else kv_len + C

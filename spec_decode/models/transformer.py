@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from spec_decode.cpu import Linear
 from spec_decode.models.checkpoint import eos_ids, load_state_dict, read_eos_token_ids, save_state_dict
-from spec_decode.models.config import IGNORED_CHECKPOINT_SUFFIXES, ModelConfig, RopeFrequencies
+from spec_decode.models.config import IGNORED_CHECKPOINT_SUFFIXES, ModelConfig
+from spec_decode.models.rope import RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan
 from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args

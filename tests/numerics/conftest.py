@@ -1,6 +1,6 @@
 """numerics tests: run the Triton kernel under the interpreter on CPU-only machines.
 
-TRITON_INTERPRET must be set before numerics._triton_counts (and its @triton.jit)
+TRITON_INTERPRET must be set before numerics.triton_counts (and its @triton.jit)
 is imported; that module is imported lazily, so setting it here is early enough.
 On a CUDA machine the kernel runs compiled on the GPU instead.
 """

@@ -12,7 +12,7 @@ import torch
 
 from numerics import counts as counts_module
 from numerics import NonfiniteCounts, dead_row_mask, nan_counts_per_request, nonfinite_counts_per_request
-from numerics import _triton_counts
+from numerics import triton_counts
 from numerics.counts import _nan_counts_reference, _nonfinite_counts_reference, _pick_backend
 from numerics_testutil import DEVICE, assert_same_bits
 
@@ -209,14 +209,14 @@ def test_empty_logits_give_zero_counts():
 
 def test_auto_backend_dispatch():
     assert _pick_backend("auto", torch.device("cpu")) == "torch"
-    expected = "triton" if _triton_counts.triton_available() else "torch"
+    expected = "triton" if triton_counts.triton_available() else "torch"
     assert _pick_backend("auto", torch.device("cuda", 0)) == expected
     assert _pick_backend("torch", torch.device("cuda", 0)) == "torch"
     assert _pick_backend("triton", torch.device("cpu")) == "triton"
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(_triton_counts, "_interpreter_active", lambda: False)
+    monkeypatch.setattr(triton_counts, "_interpreter_active", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         nan_counts_per_request(torch.zeros(2, 3), torch.tensor([0, 2]), backend="triton")
 
@@ -269,8 +269,8 @@ DEAD_CASES = [(37, dtype, "contiguous") for dtype in KERNEL_DTYPES] + [
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(_triton_counts, "BLOCK_V", 8)
-    monkeypatch.setattr(_triton_counts, "BLOCKS_PER_PROGRAM", 2)
+    monkeypatch.setattr(triton_counts, "BLOCK_V", 8)
+    monkeypatch.setattr(triton_counts, "BLOCKS_PER_PROGRAM", 2)
 
 
 def _dead_case(vocab, dtype, position, layout):

@@ -39,7 +39,7 @@ def test_demo_runs_and_shows_each_step():
     # A subprocess, as `make demo` runs it (runpy inside pytest meets the assertion-rewriting
     # import hook that the installed pytest plugin puts over the whole distribution).
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-m", "numerics.demo"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "examples/numerics_tour.py"], capture_output=True, text=True,
                           cwd=root, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout

@@ -514,9 +514,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(scope="module")
 def kernel():
-    """samplers._triton_coupled, interpreted on CPU-only machines (TRITON_INTERPRET is read at import)."""
+    """samplers.triton_coupled, interpreted on CPU-only machines (TRITON_INTERPRET is read at import)."""
     pytest.importorskip("triton")
-    module = importlib.import_module("samplers._triton_coupled")
+    module = importlib.import_module("samplers.triton_coupled")
     if DEVICE == "cpu" and not module._interpreter_active():  # imported before, compiled (test_docs does)
         with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
             module = importlib.reload(module)

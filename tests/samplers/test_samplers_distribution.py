@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import samplers._rejection as rejection_mod
+import samplers.rejection as rejection_mod
 import samplers.draws as draws_mod
 import samplers.probs as probs_mod
 import samplers.tree as tree_mod

@@ -24,7 +24,7 @@ from spec_decode.bench import main
 from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import markdown_table
-from spec_decode.bench.run import CONTRACT_KEYS, percentile
+from spec_decode.bench.harness import CONTRACT_KEYS, percentile
 from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
@@ -349,7 +349,7 @@ def test_bad_input_exits_2_naming_the_option(fake_fixtures, tmp_path, capsys, pr
 
 
 def test_a_failing_later_stage_keeps_what_was_measured(fake_fixtures, tmp_path, monkeypatch):
-    import spec_decode.bench.run as run
+    import spec_decode.bench.harness as run
 
     def broken(*args, **kwargs):
         raise RuntimeError("the NaN stage broke")

@@ -99,7 +99,7 @@ def test_a_double_rounding_case_is_emulated_exactly():
 def test_the_overflow_threshold_rounds_by_the_exact_sum():
     """A float64 sum exactly on float32's overflow threshold rounds to Inf unless the exact sum is inside."""
     threshold = torch.tensor([cpu_gemm._OVERFLOW_THRESHOLD], dtype=torch.float64)
-    fma = cpu_gemm._fma_f32
+    fma = cpu_gemm.fma_f32
     assert fma(threshold, torch.tensor([0.0])).item() == float("inf")                # exact: a tie, to Inf
     assert fma(threshold, torch.tensor([-(2.0 ** 40)])).item() == torch.finfo(torch.float32).max
     assert fma(-threshold, torch.tensor([2.0 ** 40])).item() == -torch.finfo(torch.float32).max
@@ -165,7 +165,7 @@ def fresh_kernel():
     from spec_decode.cpu import capability as model
 
     def clear():
-        cpu_gemm._kernel.cache_clear()
+        cpu_gemm.loaded_kernels.cache_clear()
         model.panel_gemm_pays.cache_clear()
 
     clear()
@@ -213,7 +213,7 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
     assert cpu_gemm.available()
     built = list(tmp_path.glob("cpu_gemm-*.so"))
     assert len(built) == 1
-    cpu_gemm._kernel.cache_clear()
+    cpu_gemm.loaded_kernels.cache_clear()
 
     def no_compiler(*args, **kwargs):
         raise AssertionError("rebuilt although the cache holds the library")

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from numerics import nonfinite_counts_per_request
-from spec_decode.testing.faults import FAULT_SITES, FaultPlan, NanFault
+from spec_decode.faults import FAULT_SITES, FaultPlan, NanFault
 
 NAN, INF = float("nan"), float("inf")
 

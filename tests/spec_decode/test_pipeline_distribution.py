@@ -143,14 +143,14 @@ def test_sampled_drafts_match_the_target_distribution(small, case):
 
 def _mutant_q_not_renormalised(monkeypatch):
     """After a rejected sibling, q keeps that sibling's mass (the with-replacement rule)."""
-    from samplers import _rejection
-    monkeypatch.setattr(_rejection, "without_token", lambda q, x: q)
+    from samplers import rejection
+    monkeypatch.setattr(rejection, "without_token", lambda q, x: q)
 
 
 def _mutant_residual_skipped(monkeypatch):
     """After a rejection, p stays p instead of normalise(max(p - q, 0))."""
-    from samplers import _rejection
-    monkeypatch.setattr(_rejection, "residual", lambda p, q: p)
+    from samplers import rejection
+    monkeypatch.setattr(rejection, "residual", lambda p, q: p)
 
 
 def _mutant_probs_at_another_temperature(monkeypatch):

@@ -23,8 +23,8 @@ class ScriptedLookup:
         self.made: list[bool] = []   # per step: whether it got lookup drafts
         dec._lookup_tree = self
 
-    def __call__(self, batch, req):
-        tree = self.lookup_tree(batch, req) if self.pattern[len(self.made) % len(self.pattern)] else None
+    def __call__(self, state):
+        tree = self.lookup_tree(state) if self.pattern[len(self.made) % len(self.pattern)] else None
         self.made.append(tree is not None)
         return tree
 

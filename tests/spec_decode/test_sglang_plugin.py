@@ -459,7 +459,7 @@ def test_draft_probs_reaching_rejection_sampling_are_cleaned(block_verification)
     the kernel gives on the cleaned probabilities. With block verification (which forces
     rejection sampling on) the raw ones change the result: the kernel's residual mass reads
     them unguarded. The classic kernel guards each q itself, so there only equality is checked."""
-    from samplers._nan import clean_probs
+    from samplers.nan import clean_probs
 
     g = torch.Generator().manual_seed(7)
     bs, num_steps = 48, 3

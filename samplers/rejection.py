@@ -1,6 +1,6 @@
 """The two updates of recursive rejection sampling, shared by chain and tree verification.
 
-Callers reach them as ``_rejection.residual`` / ``_rejection.without_token`` (module
+Callers reach them as ``rejection.residual`` / ``rejection.without_token`` (module
 attributes), so that the distribution tests can patch in their mutants in one place.
 """
 

@@ -1,4 +1,6 @@
-"""The end-to-end benchmark: every method on the same prompts, interleaved, plus the NaN-policy cost.
+"""The bench's shared harness: every method on the same prompts, interleaved, plus the NaN-policy cost.
+
+``spec-bench`` (no subcommand) runs it; ``side_by_side``, ``suites``, ``tune`` and ``profile`` reuse its pieces.
 
 Measurement protocol (why each choice):
 

@@ -1,4 +1,5 @@
-"""A short tour of numerics: ``python -m numerics.demo`` (the README's ``make demo``).
+"""A short tour of numerics: ``python examples/numerics_tour.py`` from the checkout root (the README's
+``make demo``).
 
 Every number it prints is followed by a line saying what it means, in the words of the glossary
 in ``numerics.policy`` (NaN, Inf, non-finite, dead row).
@@ -11,7 +12,7 @@ import sys
 
 import torch
 
-from . import (
+from numerics import (
     NanLogitsError,
     NanPolicy,
     dead_row_mask,
@@ -135,12 +136,15 @@ def tour_policies(req_ids: list[str], nan: list[int], inf: list[int], dead: list
 
 def main() -> None:
     torch.set_printoptions(precision=3, sci_mode=True, linewidth=100)
-    logits = tour_rows()
-    tour_sanitize(logits)
-    tour_softmax(logits)
-    req_ids = ["a", "b", "c", "d"]
-    nan, inf, dead = tour_counts(req_ids)
-    tour_policies(req_ids, nan, inf, dead)
+    try:
+        logits = tour_rows()
+        tour_sanitize(logits)
+        tour_softmax(logits)
+        req_ids = ["a", "b", "c", "d"]
+        nan, inf, dead = tour_counts(req_ids)
+        tour_policies(req_ids, nan, inf, dead)
+    finally:   # the examples also run inside the test process (tests/test_docs.py)
+        torch.set_printoptions(profile="default")
 
 
 if __name__ == "__main__":

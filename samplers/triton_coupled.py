@@ -17,16 +17,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is an optional extra
-    triton = None
-
-
-def triton_available() -> bool:
-    """True when triton imported (this says nothing about a usable GPU)."""
-    return triton is not None
+from numerics.triton_import import tl, triton
 
 
 if triton is not None:

@@ -25,16 +25,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is an optional extra
-    triton = None
-
-
-def triton_available() -> bool:
-    """True when triton imported (this says nothing about a usable GPU)."""
-    return triton is not None
+from .triton_import import triton, tl, triton_available
 
 
 if triton is not None:
@@ -127,8 +118,8 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
         logits: [num_rows, V]; cu_num_rows: [num_reqs + 1];
         returns ``NonfiniteCounts`` of three int32 [num_reqs] (views of one [3, num_reqs + 1]).
     """
-    from ._counts_result import NonfiniteCounts
-    from .sanitize import _distinct_elements, _sanitize_reference, sanitize_bound
+    from .counts_result import NonfiniteCounts
+    from .sanitize import distinct_elements, sanitize_reference, sanitize_bound
 
     if triton is None:
         raise RuntimeError(
@@ -140,11 +131,11 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
             "TRITON_INTERPRET=1 before triton is first imported "
             f"(now TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}), or use backend=\"torch\""
         )
-    if sanitize and _distinct_elements(logits).shape != logits.shape:
+    if sanitize and distinct_elements(logits).shape != logits.shape:
         # An expanded (stride-0) view: programs would sanitize memory that other rows still
         # have to count. Count first, then sanitize each shared element once (rare: 2 passes).
         counts = nonfinite_counts_triton(logits, cu_num_rows, sanitize=False)
-        _sanitize_reference(logits)
+        sanitize_reference(logits)
         return counts
     num_rows, vocab = logits.shape
     num_reqs = cu_num_rows.shape[0] - 1
