@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.models import Eagle3Head, Transformer, load_drafter
+from spec_decode.models import Eagle3Head, load_drafter
 
 SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
@@ -38,11 +38,6 @@ def _load_script():
 @pytest.fixture(scope="module")
 def msh():
     return _load_script()
-
-
-@pytest.fixture(scope="module")
-def target(safespec_tiny_target_path):
-    return Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -84,29 +79,29 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
-def test_shards_hold_the_targets_own_greedy_continuations(msh, build, target):
+def test_shards_hold_the_targets_own_greedy_continuations(msh, build, shipped_target):
     _, root = build
     shard = msh.read_shard(root / "work" / "data" / "train-00000")
     offsets, plens = shard["offsets"], shard["prompt_lens"]
     n = int(offsets[-1])
-    H = target.config.hidden_size
+    H = shipped_target.config.hidden_size
     assert shard["ids"].shape == (n,) and shard["aux"].shape == (n, 3 * H)
     assert shard["topk_ids"].shape == shard["topk_lp"].shape == (n, msh.DataRecipe().top_k)
     assert shard["temperatures"].tolist() == [0.0, 1.0] * (ROWS // 2)
-    aux_layers = msh.aux_layers_of(target)
+    aux_layers = msh.aux_layers_of(shipped_target)
     for r in range(ROWS):
         row = torch.from_numpy(np.asarray(shard["ids"][offsets[r]: offsets[r + 1]], dtype=np.int64))
         P = int(plens[r])
         assert len(row) == P + NEW_TOKENS
         with torch.no_grad():
-            out = target(row[None], target.new_cache(1, len(row)), aux_layers=aux_layers)
+            out = shipped_target(row[None], shipped_target.new_cache(1, len(row)), aux_layers=aux_layers)
         aux = torch.from_numpy(np.asarray(shard["aux"][offsets[r]: offsets[r + 1]], dtype=np.float32))
         torch.testing.assert_close(aux, torch.cat(out.aux_hidden, -1)[0], atol=2e-2, rtol=1e-2)
         top = torch.from_numpy(np.asarray(shard["topk_ids"][offsets[r]: offsets[r + 1], 0], dtype=np.int64))
         assert torch.equal(top, out.logits[0].argmax(-1))   # the recorded teacher is the target's argmax
         if shard["temperatures"][r] == 0:
-            (ar,) = SpecDecoder(target, None, method="none").generate([row[:P].tolist()], max_new_tokens=NEW_TOKENS,
-                                                                      ignore_eos=True)
+            (ar,) = SpecDecoder(shipped_target, None, method="none").generate([row[:P].tolist()],
+                                                                              max_new_tokens=NEW_TOKENS, ignore_eos=True)
             assert row[P:].tolist() == ar.token_ids
 
 
@@ -129,7 +124,7 @@ def test_draft_vocabulary_and_coverage(msh, build):
     assert 0 < stats["heldout_coverage"] <= 1 and stats["train_coverage"] >= stats["heldout_coverage"] - 0.2
 
 
-def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, target):
+def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target):
     run, root = build
     work = root / "work"
     fresh = root / "fresh"
@@ -145,7 +140,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, t
 
     assert run("export") == 0
     out = root / "models" / "head"
-    head = load_drafter(out, target, method="eagle3")
+    head = load_drafter(out, shipped_target, method="eagle3")
     assert isinstance(head, Eagle3Head) and head.draft_vocab_size == VOCAB and head.dtype == torch.float32
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert (out / "model.safetensors").stat().st_size < msh.MAX_HEAD_BYTES
@@ -156,7 +151,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, t
         listed = manifest["files"][f"models/head/{name}"]
         assert listed["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
     prompts = [[5, 17, 300, 2], [40, 41]]
-    want = SpecDecoder(target, None, method="none").generate(prompts, max_new_tokens=16, ignore_eos=True)
-    got = SpecDecoder(target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
+    want = SpecDecoder(shipped_target, None, method="none").generate(prompts, max_new_tokens=16, ignore_eos=True)
+    got = SpecDecoder(shipped_target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
         prompts, max_new_tokens=16, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]

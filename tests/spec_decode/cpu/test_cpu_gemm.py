@@ -151,7 +151,7 @@ def test_bad_arguments_are_named():
 
 
 def test_the_packed_copy_does_not_follow_the_weight():
-    """``PanelWeight`` is a snapshot; ``Linear`` rebuilds it when its weight changes (test_model)."""
+    """``PanelWeight`` is a snapshot; ``Linear`` rebuilds it when its weight changes (test_linear)."""
     x, w, b = _operands(2, 8, 16, True, seed=5)
     packed = PanelWeight(w, b)
     before = packed(x)
