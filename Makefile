@@ -27,8 +27,9 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The suite without the tests marked slow (models trained or run end to end, the real model, subprocesses):
-# the quick check while editing; `make test` stays the one that counts.
+# The suite without the tests marked slow (torch.compile, frequency tests, the shipped and real models end
+# to end, the build scripts, the wheel, compiler and subprocess runs): the quick check while editing;
+# `make test` stays the one that counts.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 

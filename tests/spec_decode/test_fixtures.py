@@ -103,6 +103,7 @@ def test_heads_load_in_their_layouts(safespec_tiny_eagle_path, safespec_tiny_eag
 # ------------------------------------------------------------------ quality floors (float32, deterministic)
 
 
+@pytest.mark.slow
 def test_target_nll_and_head_agreement_floors(safespec_tiny_prompts, shipped_target, safespec_tiny_eagle_path,
                                               safespec_tiny_eagle3_path, manifest):
     """Teacher-forced on the held-out prompts, each alone (the same computation as the build's metrics)."""
@@ -132,6 +133,7 @@ def test_target_nll_and_head_agreement_floors(safespec_tiny_prompts, shipped_tar
     ("eagle2_tree_5_4_8", "eagle", "safespec_tiny_eagle_path", 5, 4, 8),
     ("eagle3_tree_5_4_8", "eagle3", "safespec_tiny_eagle3_path", 5, 4, 8),
 ])
+@pytest.mark.slow
 def test_greedy_acceptance_floor(request, safespec_tiny_target_path, safespec_tiny_prompts, manifest, name, method,
                                  head, num_steps, topk, num_draft_tokens):
     from spec_decode import SpecDecoder

@@ -21,6 +21,8 @@ import torch
 from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, load_drafter
 
+pytestmark = pytest.mark.slow  # the head-building script end to end
+
 SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
 

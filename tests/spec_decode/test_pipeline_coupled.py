@@ -46,12 +46,14 @@ SHAPES = {"none": None, "chain": CHAIN, "tree": TREE}
 
 
 @pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.slow
 def test_coupled_tokens_follow_the_target_law(small, name):
     target, head = small
     counts, _ = sample_counts(_coupled(target, head, SHAPES[name]), seed=17)
     assert rejects(counts, exact_joint(target)) == (False, False)
 
 
+@pytest.mark.slow
 def test_first_token_of_method_none_is_a_draw_from_the_softmax(small):
     target, _ = small
     counts, _ = sample_counts(_coupled(target, None, None), seed=23)
@@ -72,6 +74,7 @@ def _mutant_without_position(seeds, positions):
 @pytest.mark.parametrize("attr, mutant", [("_gumbel", _mutant_exponential_noise),
                                           ("_position_keys", _mutant_without_position)])
 @pytest.mark.parametrize("name", ["none", "chain"])
+@pytest.mark.slow
 def test_noise_mutants_are_rejected(small, monkeypatch, attr, mutant, name):
     target, head = small
     monkeypatch.setattr(coupled_mod, attr, mutant)

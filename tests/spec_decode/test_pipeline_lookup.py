@@ -144,6 +144,7 @@ def test_from_pretrained_passes_the_lookup_arguments(safespec_tiny_target_path, 
     assert (dec.lookup_ngram, dec.lookup_tokens) == (3, 6)
 
 
+@pytest.mark.slow
 def test_on_the_shipped_target_a_looping_output_is_drafted_by_lookup(safespec_tiny_target_path, safespec_tiny_eagle_path,
                                                                    safespec_tiny_prompts):
     """The shipped target loops on some prompts (`import os` over and over): lookup steps accept deep there,

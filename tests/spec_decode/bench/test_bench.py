@@ -75,6 +75,7 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+@pytest.mark.slow
 def test_results_json_follows_the_contract(bench_run):
     _, r = bench_run
     assert {"machine", "config", "methods", "nan_policy_overhead_pct"} <= set(r)
