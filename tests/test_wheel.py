@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds and installs the wheel
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("numerics", "samplers", "spec_decode")
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", *PACKAGES)

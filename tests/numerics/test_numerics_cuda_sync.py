@@ -6,7 +6,7 @@ import torch
 from numerics import (AsyncNanWarner, get_nan_warner, nan_counts_per_request, nonfinite_counts_per_request,
                       sanitize_nan_logits)
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 NAN = float("nan")
 

@@ -568,6 +568,7 @@ def test_kernel_on_cpu_without_the_interpreter_says_how_to_run_it(kernel, monkey
         coupled_noise(torch.tensor([1]), torch.tensor([2]), 4, backend="triton")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CPU with CUDA")
 def test_words_and_uniforms_are_the_same_bits_on_cpu_and_cuda():
     seeds, positions = _keys(64)

@@ -11,6 +11,8 @@ import torch
 from samplers import chain_speculative_sampling, sample, sample_without_replacement, tree_verify
 from samplers_testlib import NUM_SAMPLES, chi_square, conditional_chi_square, draw, softmax_table
 
+pytestmark = pytest.mark.gpu
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 needs_flashinfer = pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed"

@@ -87,6 +87,7 @@ def test_apply_uses_only_basic_slice_fills():
     assert torch.isnan(x[0, :, [1, 2, 3, 50, 99]]).all() and math.isinf(x[1, 2, 7])
 
 
+@pytest.mark.gpu
 def test_cuda_apply_makes_no_host_sync():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

@@ -22,6 +22,8 @@ from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
 from tiny_models import make_tiny_target
 
+pytestmark = pytest.mark.slow  # the head-building script end to end
+
 SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
 
@@ -39,11 +41,6 @@ def _load_script():
 @pytest.fixture(scope="module")
 def msh():
     return _load_script()
-
-
-@pytest.fixture(scope="module")
-def target(safespec_tiny_target_path):
-    return Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -85,29 +82,29 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
-def test_shards_hold_the_targets_own_greedy_continuations(msh, build, target):
+def test_shards_hold_the_targets_own_greedy_continuations(msh, build, shipped_target):
     _, root = build
     shard = msh.read_shard(root / "work" / "data" / "train-00000")
     offsets, plens = shard["offsets"], shard["prompt_lens"]
     n = int(offsets[-1])
-    H = target.config.hidden_size
+    H = shipped_target.config.hidden_size
     assert shard["ids"].shape == (n,) and shard["aux"].shape == (n, 3 * H)
     assert shard["topk_ids"].shape == shard["topk_lp"].shape == (n, msh.DataRecipe().top_k)
     assert shard["temperatures"].tolist() == [0.0, 1.0] * (ROWS // 2)
-    aux_layers = msh.aux_layers_of(target)
+    aux_layers = msh.aux_layers_of(shipped_target)
     for r in range(ROWS):
         row = torch.from_numpy(np.asarray(shard["ids"][offsets[r]: offsets[r + 1]], dtype=np.int64))
         P = int(plens[r])
         assert len(row) == P + NEW_TOKENS
         with torch.no_grad():
-            out = target(row[None], target.new_cache(1, len(row)), aux_layers=aux_layers)
+            out = shipped_target(row[None], shipped_target.new_cache(1, len(row)), aux_layers=aux_layers)
         aux = torch.from_numpy(np.asarray(shard["aux"][offsets[r]: offsets[r + 1]], dtype=np.float32))
         torch.testing.assert_close(aux, torch.cat(out.aux_hidden, -1)[0], atol=2e-2, rtol=1e-2)
         top = torch.from_numpy(np.asarray(shard["topk_ids"][offsets[r]: offsets[r + 1], 0], dtype=np.int64))
         assert torch.equal(top, out.logits[0].argmax(-1))   # the recorded teacher is the target's argmax
         if shard["temperatures"][r] == 0:
-            (ar,) = SpecDecoder(target, None, method="none").generate([row[:P].tolist()], max_new_tokens=NEW_TOKENS,
-                                                                      ignore_eos=True)
+            (ar,) = SpecDecoder(shipped_target, None, method="none").generate([row[:P].tolist()],
+                                                                              max_new_tokens=NEW_TOKENS, ignore_eos=True)
             assert row[P:].tolist() == ar.token_ids
 
 
@@ -130,7 +127,7 @@ def test_draft_vocabulary_and_coverage(msh, build):
     assert 0 < stats["heldout_coverage"] <= 1 and stats["train_coverage"] >= stats["heldout_coverage"] - 0.2
 
 
-def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, target):
+def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target):
     run, root = build
     work = root / "work"
     fresh = root / "fresh"
@@ -146,7 +143,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, t
 
     assert run("export") == 0
     out = root / "models" / "head"
-    head = load_drafter(out, target, method="eagle3")
+    head = load_drafter(out, shipped_target, method="eagle3")
     assert isinstance(head, Eagle3Head) and head.draft_vocab_size == VOCAB and head.dtype == torch.float32
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert (out / "model.safetensors").stat().st_size < msh.MAX_HEAD_BYTES
@@ -157,22 +154,22 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, t
         listed = manifest["files"][f"models/head/{name}"]
         assert listed["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
     prompts = [[5, 17, 300, 2], [40, 41]]
-    want = SpecDecoder(target, None, method="none").generate(prompts, max_new_tokens=16, ignore_eos=True)
-    got = SpecDecoder(target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
+    want = SpecDecoder(shipped_target, None, method="none").generate(prompts, max_new_tokens=16, ignore_eos=True)
+    got = SpecDecoder(shipped_target, head, method="eagle3", num_steps=3, topk=2, num_draft_tokens=5).generate(
         prompts, max_new_tokens=16, ignore_eos=True)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_a_run_continues_from_the_exported_head(msh, build, target):
+def test_a_run_continues_from_the_exported_head(msh, build, shipped_target):
     run, root = build
     out = root / "models" / "head"
     if not out.is_dir():
         assert run("eagle3") == 0 and run("export") == 0
     work = root / "warm"
     shutil.copytree(root / "work", work, ignore=shutil.ignore_patterns("ckpt", "eagle3"))
-    init = msh.load_init_head(out, target)
-    head = msh.build_head(target, init.to_target_ids(torch.arange(init.draft_vocab_size)).numpy(),
-                          msh.aux_layers_of(target), dict(msh.EAGLE3_TRAIN))
+    init = msh.load_init_head(out, shipped_target)
+    head = msh.build_head(shipped_target, init.to_target_ids(torch.arange(init.draft_vocab_size)).numpy(),
+                          msh.aux_layers_of(shipped_target), dict(msh.EAGLE3_TRAIN))
     in_scale = torch.linspace(0.5, 2.0, head.fc.weight.shape[1])
     msh.warm_start(head, init, in_scale)
     torch.testing.assert_close(head.fc.weight * in_scale, init.fc.weight, rtol=1e-6, atol=0)
@@ -183,17 +180,17 @@ def test_a_run_continues_from_the_exported_head(msh, build, target):
     assert run("eagle3", "--init-from", str(out), work=work) == 0
     stats = json.loads((work / "stats" / "eagle3.json").read_text())
     assert stats["train"]["init_from"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    staged = load_drafter(work / "eagle3", target, method="eagle3")
+    staged = load_drafter(work / "eagle3", shipped_target, method="eagle3")
     assert torch.equal(staged.d2t, init.d2t)
 
 
-def test_init_from_a_head_that_does_not_fit_names_it(msh, target, tmp_path):
+def test_init_from_a_head_that_does_not_fit_names_it(msh, shipped_target, tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
-        msh.load_init_head(tmp_path, target)
-    layers = target.config.num_hidden_layers
+        msh.load_init_head(tmp_path, shipped_target)
+    layers = shipped_target.config.num_hidden_layers
     other = Transformer.from_pretrained(make_tiny_target(tmp_path / "other", seed=3, vocab_size=6,
                                                          num_hidden_layers=layers), dtype=torch.float32)
-    eagle_cfg = {"eagle_aux_hidden_state_layer_ids": list(msh.aux_layers_of(target))}
+    eagle_cfg = {"eagle_aux_hidden_state_layer_ids": list(msh.aux_layers_of(shipped_target))}
     Eagle3Head(msh.mf.head_config(other, eagle_config=eagle_cfg), other).save_pretrained(tmp_path / "head")
     with pytest.raises(ValueError, match=str(tmp_path / "head")):
-        msh.load_init_head(tmp_path / "head", target)
+        msh.load_init_head(tmp_path / "head", shipped_target)

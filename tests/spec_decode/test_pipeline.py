@@ -20,26 +20,10 @@ TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
 CHAIN = dict(num_steps=3, topk=1, num_draft_tokens=4)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """fp32 target, EAGLE head, EAGLE-3 head (reduced vocab) and a small draft LM, plus their dirs."""
-    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
-
-    root = tmp_path_factory.mktemp("pipeline_models")
-    tdir = make_tiny_target(root, seed=0)
-    target = Transformer.from_pretrained(tdir, dtype=torch.float32)
-    eagle = make_tiny_eagle(target, root / "eagle")
-    eagle3 = make_tiny_eagle3(target, root / "eagle3", draft_vocab_size=61)
-    ddir = make_tiny_target(root, seed=5, name="draft", num_hidden_layers=1)
-    draft = Transformer.from_pretrained(ddir, dtype=torch.float32)
-    return dict(target=target, eagle=eagle, eagle3=eagle3, draft=draft,
-                tdir=tdir, eagle_dir=root / "eagle", eagle3_dir=root / "eagle3", draft_dir=ddir)
-
-
-def _decoder(models, method, drafter=None, **kw):
+def _decoder(random_models, method, drafter=None, **kw):
     if drafter is None and method != "none":
-        drafter = models[{"eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}[method]]
-    return SpecDecoder(models["target"], drafter, method=method, **kw)
+        drafter = random_models[{"eagle": "eagle", "eagle3": "eagle3", "draft_model": "draft"}[method]]
+    return SpecDecoder(random_models["target"], drafter, method=method, **kw)
 
 
 def _tokens(results):
@@ -47,25 +31,25 @@ def _tokens(results):
 
 
 @pytest.fixture(scope="module")
-def ar_greedy(models):
-    return _tokens(_decoder(models, "none").generate(PROMPTS, max_new_tokens=24))
+def ar_greedy(random_models):
+    return _tokens(_decoder(random_models, "none").generate(PROMPTS, max_new_tokens=24))
 
 
 # ------------------------------------------------------------------ greedy losslessness
 @pytest.mark.parametrize("shape", [TREE, CHAIN, dict(num_steps=5, topk=4, num_draft_tokens=8)],
                          ids=["tree", "chain", "default"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
-def test_greedy_speculative_equals_autoregressive_batched(models, ar_greedy, method, shape):
-    out = _decoder(models, method, nan_policy="raise", **shape).generate(PROMPTS, max_new_tokens=24)
+def test_greedy_speculative_equals_autoregressive_batched(random_models, ar_greedy, method, shape):
+    out = _decoder(random_models, method, nan_policy="raise", **shape).generate(PROMPTS, max_new_tokens=24)
     assert _tokens(out) == ar_greedy
     assert all(r.finish_reason == "length" for r in out)
 
 
 @pytest.mark.parametrize("shape", [TREE, CHAIN, dict(num_steps=6, topk=1, num_draft_tokens=7)],
                          ids=["tree", "chain", "deep_chain"])
-def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_greedy, shape):
+def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(random_models, ar_greedy, shape):
     """The target drafting for itself: every greedy draft is right, so trees commit deep paths."""
-    dec = _decoder(models, "draft_model", drafter=models["target"], nan_policy="raise", **shape)
+    dec = _decoder(random_models, "draft_model", drafter=random_models["target"], nan_policy="raise", **shape)
     out = dec.generate(PROMPTS, max_new_tokens=24)
     assert _tokens(out) == ar_greedy
     lengths = [n for r in out for n in r.accepted_lengths[:-1]]   # the last step may be cut short
@@ -77,7 +61,7 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(models, ar_gree
 
 
 
-def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkeypatch):
+def test_greedy_trees_verify_without_the_sampling_walk(random_models, ar_greedy, monkeypatch):
     """All-greedy tree steps go through ``greedy_tree_verify`` with the drafter's mask (lossless, and no
     ``tree_verify`` call); a batch with a sampled request still walks with ``tree_verify``."""
     import spec_decode.step as pipeline   # verify_tree looks the verifiers up in spec_decode.step
@@ -86,7 +70,7 @@ def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkey
     for name in ("greedy_tree_verify", "tree_verify"):
         orig = getattr(pipeline, name)
         monkeypatch.setattr(pipeline, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
-    dec = _decoder(models, "draft_model", drafter=models["target"], **TREE)
+    dec = _decoder(random_models, "draft_model", drafter=random_models["target"], **TREE)
     assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
     assert seen and set(seen) == {"greedy_tree_verify"}
     seen.clear()
@@ -95,30 +79,30 @@ def test_greedy_trees_verify_without_the_sampling_walk(models, ar_greedy, monkey
 
 
 @pytest.mark.parametrize("temp", [0.5, 1e-3, 4.0])
-def test_greedy_trees_scored_at_any_temperature_stay_lossless(models, ar_greedy, temp):
+def test_greedy_trees_scored_at_any_temperature_stay_lossless(random_models, ar_greedy, temp):
     """tree_score_temperature changes which candidates a greedy tree keeps, never the output."""
-    dec = _decoder(models, "eagle", nan_policy="raise", num_steps=4, topk=2, num_draft_tokens=6,
+    dec = _decoder(random_models, "eagle", nan_policy="raise", num_steps=4, topk=2, num_draft_tokens=6,
                    tree_score_temperature=temp)
     assert dec.tree_score_temperature == temp
     assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), None])
-def test_a_bad_tree_score_temperature_is_refused_by_name(models, value):
+def test_a_bad_tree_score_temperature_is_refused_by_name(random_models, value):
     with pytest.raises(ValueError, match="tree_score_temperature"):
-        _decoder(models, "eagle", **TREE, tree_score_temperature=value)
+        _decoder(random_models, "eagle", **TREE, tree_score_temperature=value)
 
 
-def test_greedy_single_request_equals_batched(models, ar_greedy):
-    dec = _decoder(models, "eagle", **TREE)
+def test_greedy_single_request_equals_batched(random_models, ar_greedy):
+    dec = _decoder(random_models, "eagle", **TREE)
     for i, p in enumerate(PROMPTS):
         assert _tokens(dec.generate([p], max_new_tokens=24)) == [ar_greedy[i]]
 
 
-def test_requests_finish_independently(models, ar_greedy):
+def test_requests_finish_independently(random_models, ar_greedy):
     max_new = [3, 24, 10, 1]
     stop = ar_greedy[2][4]
-    out = _decoder(models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=max_new,
+    out = _decoder(random_models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=max_new,
                                                        stop_token_ids=[[], [], [stop], []])
     assert out[0].token_ids == ar_greedy[0][:3] and out[0].finish_reason == "length"
     assert out[1].token_ids == ar_greedy[1] and out[1].finish_reason == "length"
@@ -127,9 +111,9 @@ def test_requests_finish_independently(models, ar_greedy):
     assert out[3].token_ids == ar_greedy[3][:1] and out[3].accepted_lengths == []
 
 
-def test_one_host_sync_per_step(models, host_reads):
+def test_one_host_sync_per_step(random_models, host_reads):
     """Count every tensor->host read during generate: one per step (the prefill included)."""
-    dec = _decoder(models, "eagle", **TREE)
+    dec = _decoder(random_models, "eagle", **TREE)
     dec.generate(PROMPTS, max_new_tokens=12)
     steps = 1 + len(dec.last_stats.step_s)
     assert dec.last_stats.host_copies == steps
@@ -137,8 +121,8 @@ def test_one_host_sync_per_step(models, host_reads):
 
 
 # ------------------------------------------------------------------ sampling
-def test_seeded_sampling_is_deterministic(models):
-    dec = _decoder(models, "eagle", **TREE)
+def test_seeded_sampling_is_deterministic(random_models):
+    dec = _decoder(random_models, "eagle", **TREE)
     kw = dict(max_new_tokens=16, temperature=[1.0, 0.7, 0.0, 1.3], top_k=[None, 5, None, 0],
               top_p=[1.0, 0.9, 1.0, 0.8], seed=123)
     a, b = dec.generate(PROMPTS, **kw), dec.generate(PROMPTS, **kw)
@@ -147,24 +131,24 @@ def test_seeded_sampling_is_deterministic(models):
     assert _tokens(a) != _tokens(c)
 
 
-def test_greedy_rows_stay_greedy_in_a_mixed_batch(models, ar_greedy):
-    out = _decoder(models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=24,
+def test_greedy_rows_stay_greedy_in_a_mixed_batch(random_models, ar_greedy):
+    out = _decoder(random_models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=24,
                                                       temperature=[0.0, 1.0, 0.0, 1.0], seed=7)
     assert out[0].token_ids == ar_greedy[0] and out[2].token_ids == ar_greedy[2]
 
 
 # ------------------------------------------------------------------ NaN policies
-def _run_with_fault(models, policy, fault, method="eagle", prompts=PROMPTS, **kw):
-    dec = _decoder(models, method, nan_policy=policy, **TREE)
+def _run_with_fault(random_models, policy, fault, method="eagle", prompts=PROMPTS, **kw):
+    dec = _decoder(random_models, method, nan_policy=policy, **TREE)
     return dec, dec.generate(prompts, max_new_tokens=16, faults=[fault], **kw)
 
 
 @pytest.mark.parametrize("site", ["kv_cache", "target_logits"])
 @pytest.mark.parametrize("method", ["eagle", "none"])
-def test_abort_stops_only_the_corrupted_request(models, site, method):
-    clean = _decoder(models, method, nan_policy="abort", **TREE).generate(
+def test_abort_stops_only_the_corrupted_request(random_models, site, method):
+    clean = _decoder(random_models, method, nan_policy="abort", **TREE).generate(
         [PROMPTS[0], PROMPTS[2], PROMPTS[3]], max_new_tokens=16)
-    _, out = _run_with_fault(models, "abort", NanFault(request=1, step=2, site=site), method=method)
+    _, out = _run_with_fault(random_models, "abort", NanFault(request=1, step=2, site=site), method=method)
     assert out[1].finish_reason == "nan_abort"
     assert [e.site for e in out[1].nan_events] == ["target_logits"]
     assert len(out[1].token_ids) <= 1 + (TREE["num_steps"] + 1 if method == "eagle" else 1)
@@ -173,7 +157,7 @@ def test_abort_stops_only_the_corrupted_request(models, site, method):
     assert all(not r.nan_events for r in (out[0], out[2], out[3]))
 
 
-def test_abort_zeroes_the_corrupted_kv_slot(models, monkeypatch):
+def test_abort_zeroes_the_corrupted_kv_slot(random_models, monkeypatch):
     seen = []
     orig = KVCache.reset_slots
 
@@ -183,14 +167,14 @@ def test_abort_zeroes_the_corrupted_kv_slot(models, monkeypatch):
         assert torch.all(self.k[:, mask] == 0) and torch.all(self.v[:, mask] == 0)
 
     monkeypatch.setattr(KVCache, "reset_slots", spy)
-    _run_with_fault(models, "abort", NanFault(request=2, step=1, site="kv_cache"))
+    _run_with_fault(random_models, "abort", NanFault(request=2, step=1, site="kv_cache"))
     assert seen == [[False, False, True, False]] * 2   # the target's cache and the drafter's
 
 
-def test_sanitize_keeps_going_and_isolates(models, caplog):
-    clean = _decoder(models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=16)
+def test_sanitize_keeps_going_and_isolates(random_models, caplog):
+    clean = _decoder(random_models, "eagle", **TREE).generate(PROMPTS, max_new_tokens=16)
     with caplog.at_level("WARNING", logger="safespec.spec_decode"):
-        _, out = _run_with_fault(models, "sanitize", NanFault(request=0, step=1, site="kv_cache"))
+        _, out = _run_with_fault(random_models, "sanitize", NanFault(request=0, step=1, site="kv_cache"))
     warnings = [r for r in caplog.records if r.name == "safespec.spec_decode"]
     assert len(warnings) == 1 and "['0']" in warnings[0].getMessage()
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 16
@@ -203,8 +187,8 @@ def test_sanitize_keeps_going_and_isolates(models, caplog):
     assert _tokens(out[1:]) == _tokens(clean[1:])
 
 
-def test_raise_names_only_the_corrupted_request_and_keeps_partial_results(models):
-    dec = _decoder(models, "eagle", nan_policy="raise", **TREE)
+def test_raise_names_only_the_corrupted_request_and_keeps_partial_results(random_models):
+    dec = _decoder(random_models, "eagle", nan_policy="raise", **TREE)
     with pytest.raises(NanLogitsError) as info:
         dec.generate(PROMPTS, max_new_tokens=16, request_ids=["a", "b", "c", "d"],
                      faults=[NanFault(request=2, step=3, site="target_logits")])
@@ -217,9 +201,9 @@ def test_raise_names_only_the_corrupted_request_and_keeps_partial_results(models
 
 
 @pytest.mark.parametrize("site", ["draft_logits", "target_hidden"])
-def test_drafter_side_faults_never_change_greedy_output(models, ar_greedy, site):
+def test_drafter_side_faults_never_change_greedy_output(random_models, ar_greedy, site):
     """Verification is the safety net: a NaN draft can cost acceptance, never correctness."""
-    dec = _decoder(models, "eagle", nan_policy="abort", **TREE)
+    dec = _decoder(random_models, "eagle", nan_policy="abort", **TREE)
     out = dec.generate(PROMPTS, max_new_tokens=24, faults=[NanFault(request=1, step=2, site=site)])
     assert _tokens(out) == ar_greedy
     assert all(r.finish_reason == "length" for r in out)
@@ -230,12 +214,12 @@ def test_drafter_side_faults_never_change_greedy_output(models, ar_greedy, site)
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
-def test_draft_and_target_counts_stay_apart(models, method, value):
+def test_draft_and_target_counts_stay_apart(random_models, method, value):
     """NaN/Inf in the drafter's logits and in the target's are each reported at their own site, with their
     own count, kind and dead rows (the EAGLE-3 row over its reduced vocabulary), for the faulted request
     only; under ``sanitize`` nobody stops."""
-    dec = _decoder(models, method, nan_policy="sanitize", **TREE)
-    vd = dec.drafter.compute_logits(torch.zeros(1, models["target"].config.hidden_size)).shape[-1]
+    dec = _decoder(random_models, method, nan_policy="sanitize", **TREE)
+    vd = dec.drafter.compute_logits(torch.zeros(1, random_models["target"].config.hidden_size)).shape[-1]
     kind = "nan" if math.isnan(value) else "inf"
     out = dec.generate(PROMPTS, max_new_tokens=8, faults=[NanFault(request=1, step=2, site="draft_logits", value=value),
                                                            NanFault(request=2, step=3, site="target_logits", value=value)])
@@ -245,22 +229,22 @@ def test_draft_and_target_counts_stay_apart(models, method, value):
     assert all(r.finish_reason == "length" for r in out)
 
 
-def test_inf_logits_are_sanitized_but_only_nan_triggers_the_policy(models):
+def test_inf_logits_are_sanitized_but_only_nan_triggers_the_policy(random_models):
     """-inf is a legitimate mask value and +inf clamps to 1e30; the policies count NaN only."""
-    _, out = _run_with_fault(models, "abort", NanFault(request=3, step=1, site="target_logits", value=math.inf))
+    _, out = _run_with_fault(random_models, "abort", NanFault(request=3, step=1, site="target_logits", value=math.inf))
     assert out[3].finish_reason == "length"
     # recorded with its kind and a real count (7 tree rows x 97 entries), but it stops nothing
     assert [(e.step, e.site, e.kind, e.count) for e in out[3].nan_events] == [(1, "target_logits", "inf", 7 * 97)]
     assert all(0 <= t < 97 for t in out[3].token_ids)
-    _, out = _run_with_fault(models, "abort", NanFault(request=3, step=1, site="kv_cache", value=math.inf))
+    _, out = _run_with_fault(random_models, "abort", NanFault(request=3, step=1, site="kv_cache", value=math.inf))
     assert out[3].finish_reason == "nan_abort"   # inf keys give inf - inf = NaN in attention
 
 
 # ------------------------------------------------------------------ loading and bad input
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "none"])
-def test_from_pretrained_every_method(models, ar_greedy, method):
+def test_from_pretrained_every_method(random_models, ar_greedy, method):
     path = {"eagle": "eagle_dir", "eagle3": "eagle3_dir", "draft_model": "draft_dir", "none": None}[method]
-    dec = SpecDecoder.from_pretrained(models["tdir"], models[path] if path else None, method=method,
+    dec = SpecDecoder.from_pretrained(random_models["tdir"], random_models[path] if path else None, method=method,
                                       dtype=torch.float32, **TREE)
     assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
 
@@ -277,10 +261,10 @@ def test_from_pretrained_every_method(models, ar_greedy, method):
     ([[1, 2], [3]], dict(temperature=[0.0]), "temperature has 1 entries for 2"),
     ([[1, 2]], dict(faults=[NanFault(request=4, step=0, site="kv_cache")]), "request=4"),
 ])
-def test_bad_generate_inputs_name_the_problem(models, prompts, kw, match):
+def test_bad_generate_inputs_name_the_problem(random_models, prompts, kw, match):
     kw.setdefault("max_new_tokens", 4)
     with pytest.raises(ValueError, match=match):
-        _decoder(models, "eagle", **TREE).generate(prompts, **kw)
+        _decoder(random_models, "eagle", **TREE).generate(prompts, **kw)
 
 
 def test_bad_fault_sites_are_rejected():
@@ -290,26 +274,26 @@ def test_bad_fault_sites_are_rejected():
         NanFault(request=0, step=0, site="kv_cache", value=1.0)
 
 
-def test_mismatched_drafters_are_rejected(models, tmp_path):
+def test_mismatched_drafters_are_rejected(random_models, tmp_path):
     from tiny_models import make_tiny_target
 
     other = make_tiny_target(tmp_path, name="v50", vocab_size=50)
     with pytest.raises(ValueError, match="vocab"):
-        SpecDecoder.from_pretrained(models["tdir"], other, method="draft_model", dtype=torch.float32)
+        SpecDecoder.from_pretrained(random_models["tdir"], other, method="draft_model", dtype=torch.float32)
     wide = make_tiny_target(tmp_path, name="h48", hidden_size=48)
     wide_target = Transformer.from_pretrained(wide, dtype=torch.float32)
     with pytest.raises(ValueError, match="hidden"):
-        SpecDecoder.from_pretrained(wide, models["eagle_dir"], method="eagle", dtype=torch.float32)
+        SpecDecoder.from_pretrained(wide, random_models["eagle_dir"], method="eagle", dtype=torch.float32)
     assert wide_target.config.hidden_size == 48
 
 
-def test_missing_checkpoint_files(models, tmp_path):
+def test_missing_checkpoint_files(random_models, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.*local directories only"):
         SpecDecoder.from_pretrained(tmp_path / "nowhere", method="none")
     with pytest.raises(FileNotFoundError, match="config.json"):
         SpecDecoder.from_pretrained(tmp_path, method="none")
     with pytest.raises(FileNotFoundError):
-        SpecDecoder.from_pretrained(models["tdir"], tmp_path / "no_head", method="eagle")
+        SpecDecoder.from_pretrained(random_models["tdir"], tmp_path / "no_head", method="eagle")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -318,13 +302,13 @@ def test_missing_checkpoint_files(models, tmp_path):
     (dict(method="eagle", topk=1, num_steps=3, num_draft_tokens=6), "num_draft_tokens"),
     (dict(method="eagle", num_steps=0), "num_steps"),
 ])
-def test_bad_decoder_configs(models, kw, match):
+def test_bad_decoder_configs(random_models, kw, match):
     with pytest.raises(ValueError, match=match):
-        SpecDecoder(models["target"], models["eagle"], **kw)
+        SpecDecoder(random_models["target"], random_models["eagle"], **kw)
 
 
-def test_methods_need_the_right_drafter(models):
+def test_methods_need_the_right_drafter(random_models):
     with pytest.raises(ValueError, match="needs draft_path"):
-        SpecDecoder.from_pretrained(models["tdir"], None, method="eagle")
+        SpecDecoder.from_pretrained(random_models["tdir"], None, method="eagle")
     with pytest.raises(ValueError, match="takes no drafter"):
-        SpecDecoder(models["target"], models["eagle"], method="none")
+        SpecDecoder(random_models["target"], random_models["eagle"], method="none")

@@ -4,28 +4,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.models import Transformer
 from spec_decode.pipeline import DepthController
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
-
-    root = tmp_path_factory.mktemp("auto_models")
-    target = Transformer.from_pretrained(make_tiny_target(root, seed=0), dtype=torch.float32)
-    return dict(target=target, eagle=make_tiny_eagle(target, seed=1),
-                eagle3=make_tiny_eagle3(target, draft_vocab_size=61), draft_model=target)
-
-
-@pytest.fixture(scope="module")
-def ar(models):
-    dec = SpecDecoder(models["target"], None, method="none")
+def ar(random_models):
+    dec = SpecDecoder(random_models["target"], None, method="none")
     return [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=24)]
 
 
@@ -46,9 +34,9 @@ class Scripted:
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model"])
 @pytest.mark.parametrize("depths", [[3, 0, 0, 2, 0, 1], [0, 0, 0, 3], [1]], ids=["mixed", "backlog", "shallow"])
-def test_any_depth_sequence_is_lossless(models, ar, method, depths):
+def test_any_depth_sequence_is_lossless(random_models, ar, method, depths):
     """Plain steps queue their tokens for the drafter; the next speculative step catches up on all."""
-    dec = SpecDecoder(models["target"], models[method], method=method, num_steps="auto", topk=3,
+    dec = SpecDecoder(random_models["target"], random_models[method], method=method, num_steps="auto", topk=3,
                       num_draft_tokens=7)
     dec.depth_controller = Scripted(depths)
     out = dec.generate(PROMPTS, max_new_tokens=24)
@@ -61,10 +49,10 @@ def test_any_depth_sequence_is_lossless(models, ar, method, depths):
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("method", ["eagle", "draft_model"])
-def test_the_last_steps_draft_no_deeper_than_the_tokens_left(models, max_new, method):
+def test_the_last_steps_draft_no_deeper_than_the_tokens_left(random_models, max_new, method):
     """With r tokens left a step drafts at most r - 1 (r = 1: a plain step); the output is AR's."""
-    dec = SpecDecoder(models["target"], models[method], method=method, num_steps=4, topk=1, num_draft_tokens=5)
-    plain = SpecDecoder(models["target"], None, method="none")
+    dec = SpecDecoder(random_models["target"], random_models[method], method=method, num_steps=4, topk=1, num_draft_tokens=5)
+    plain = SpecDecoder(random_models["target"], None, method="none")
     out = dec.generate([PROMPTS[0]], max_new_tokens=max_new)[0]
     assert out.token_ids == plain.generate([PROMPTS[0]], max_new_tokens=max_new)[0].token_ids
     left = max_new - 1   # the prefill emits the first token
@@ -76,17 +64,17 @@ def test_the_last_steps_draft_no_deeper_than_the_tokens_left(models, max_new, me
     assert left == 0
 
 
-def test_sampled_requests_keep_their_depth_to_the_end(models):
+def test_sampled_requests_keep_their_depth_to_the_end(random_models):
     """The cap would change a sampled request's draws with its batch: sampled batches keep the depth."""
-    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps=4, topk=1, num_draft_tokens=5)
+    dec = SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", num_steps=4, topk=1, num_draft_tokens=5)
     dec.generate([PROMPTS[0]], max_new_tokens=7, temperature=1.0, seed=3)
     assert set(dec.last_stats.depths) == {4}
     dec.generate(PROMPTS[:2], max_new_tokens=7, temperature=[0.0, 1.0], seed=3)
     assert set(dec.last_stats.depths) == {4}
 
 
-def test_a_capped_step_is_not_reported_to_the_controller(models):
-    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+def test_a_capped_step_is_not_reported_to_the_controller(random_models):
+    dec = SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", num_steps="auto", topk=1,
                       num_draft_tokens=5)
     dec.depth_controller = Recorder([4])
     dec.generate([PROMPTS[0]], max_new_tokens=12)
@@ -95,8 +83,8 @@ def test_a_capped_step_is_not_reported_to_the_controller(models):
     assert [d for d, _ in dec.depth_controller.records] == [r for r, c in zip(ran, chosen) if r == c]   # ...unrecorded
 
 
-def test_auto_is_lossless_and_reports_its_mode(models, ar):
-    dec = SpecDecoder(models["target"], models["draft_model"], method="draft_model", num_steps="auto", topk=2,
+def test_auto_is_lossless_and_reports_its_mode(random_models, ar):
+    dec = SpecDecoder(random_models["target"], random_models["draft_model"], method="draft_model", num_steps="auto", topk=2,
                       num_draft_tokens=6)
     assert dec.num_steps == "auto" and dec.max_steps == 5
     for _ in range(2):   # statistics carry over between calls
@@ -105,9 +93,9 @@ def test_auto_is_lossless_and_reports_its_mode(models, ar):
     assert set(dec.last_stats.depths) <= set(range(6))
 
 
-def test_auto_without_a_drafter_decodes_plainly(models, ar):
+def test_auto_without_a_drafter_decodes_plainly(random_models, ar):
     """method="none" ignores num_steps="auto": every step is a plain step (it used to crash)."""
-    dec = SpecDecoder(models["target"], None, method="none", num_steps="auto", num_draft_tokens=4)
+    dec = SpecDecoder(random_models["target"], None, method="none", num_steps="auto", num_draft_tokens=4)
     out = dec.generate(PROMPTS, max_new_tokens=24)
     assert [r.token_ids for r in out] == ar
     assert set(dec.last_stats.depths) == {0}
@@ -236,9 +224,9 @@ class Recorder(Scripted):
         self.records.append((depth, seconds))
 
 
-def test_decoder_does_not_time_steps_that_catch_up_a_backlog(models):
+def test_decoder_does_not_time_steps_that_catch_up_a_backlog(random_models):
     """The first step (the prompt's catch-up) and the first after plain steps get seconds=None."""
-    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+    dec = SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", num_steps="auto", topk=1,
                       num_draft_tokens=3)
     dec.depth_controller = Recorder([2, 2, 0, 0, 0, 2, 2])
     dec.generate([PROMPTS[0]], max_new_tokens=12)

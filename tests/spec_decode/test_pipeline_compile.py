@@ -11,6 +11,8 @@ import torch
 from spec_decode import SpecDecoder
 from spec_decode.models import Transformer
 
+pytestmark = pytest.mark.slow  # torch.compile of the models
+
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
 

@@ -46,12 +46,14 @@ SHAPES = {"none": None, "chain": CHAIN, "tree": TREE}
 
 
 @pytest.mark.parametrize("name", SHAPES)
+@pytest.mark.slow
 def test_coupled_tokens_follow_the_target_law(small, name):
     target, head = small
     counts, _ = sample_counts(_coupled(target, head, SHAPES[name]), seed=17)
     assert rejects(counts, exact_joint(target)) == (False, False)
 
 
+@pytest.mark.slow
 def test_first_token_of_method_none_is_a_draw_from_the_softmax(small):
     target, _ = small
     counts, _ = sample_counts(_coupled(target, None, None), seed=23)
@@ -72,6 +74,7 @@ def _mutant_without_position(seeds, positions):
 @pytest.mark.parametrize("attr, mutant", [("_gumbel", _mutant_exponential_noise),
                                           ("_position_keys", _mutant_without_position)])
 @pytest.mark.parametrize("name", ["none", "chain"])
+@pytest.mark.slow
 def test_noise_mutants_are_rejected(small, monkeypatch, attr, mutant, name):
     target, head = small
     monkeypatch.setattr(coupled_mod, attr, mutant)
@@ -81,7 +84,9 @@ def test_noise_mutants_are_rejected(small, monkeypatch, attr, mutant, name):
 
 # ------------------------------------------------------------------ invariance
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def coupled_models(tmp_path_factory):
+    """Random fp32 models of their own (not ``random_models``): an EAGLE-3 head with a 64-token draft vocabulary,
+    and a one-layer draft LM of seed 7 that ``draft_model`` drafts with (not the target itself)."""
     d = tmp_path_factory.mktemp("coupled_inv")
     target = Transformer.from_pretrained(make_tiny_target(d), dtype=torch.float32)
     draft = Transformer.from_pretrained(make_tiny_target(d, name="draft", seed=7, num_hidden_layers=1),
@@ -107,12 +112,13 @@ SAMPLING = {
 SEEDS = [11, 12, 13, 14]
 
 
-def _decoder(models, name):
+def _decoder(coupled_models, name):
     if name == "none":
-        return SpecDecoder(models["target"], None, method="none", draft_sampling="coupled")
+        return SpecDecoder(coupled_models["target"], None, method="none", draft_sampling="coupled")
     method, shape = METHODS[name]
-    drafter = {"eagle": models["eagle"], "eagle3": models["eagle3"], "draft_model": models["draft"]}[method]
-    return SpecDecoder(models["target"], drafter, method=method, draft_sampling="coupled", **shape)
+    drafter = {"eagle": coupled_models["eagle"], "eagle3": coupled_models["eagle3"],
+               "draft_model": coupled_models["draft"]}[method]
+    return SpecDecoder(coupled_models["target"], drafter, method=method, draft_sampling="coupled", **shape)
 
 
 def _per_request(kw, i):
@@ -124,15 +130,15 @@ def _run(dec, prompts, kw, seeds):
 
 
 @pytest.fixture(scope="module")
-def reference(models):
-    dec = _decoder(models, "none")
+def reference(coupled_models):
+    dec = _decoder(coupled_models, "none")
     return {case: _run(dec, PROMPTS, kw, SEEDS) for case, kw in SAMPLING.items()}
 
 
 @pytest.mark.parametrize("case", SAMPLING)
 @pytest.mark.parametrize("name", METHODS)
-def test_every_method_gives_the_reference_tokens(models, reference, name, case):
-    dec, kw = _decoder(models, name), SAMPLING[case]
+def test_every_method_gives_the_reference_tokens(coupled_models, reference, name, case):
+    dec, kw = _decoder(coupled_models, name), SAMPLING[case]
     assert _run(dec, PROMPTS, kw, SEEDS) == reference[case], "batched"
     order = [2, 0, 3, 1]
     reordered = _run(dec, [PROMPTS[i] for i in order], _reorder(kw, order), [SEEDS[i] for i in order])
@@ -145,15 +151,15 @@ def _reorder(kw, order):
     return {k: [v[i] for i in order] if isinstance(v, list) else v for k, v in kw.items()}
 
 
-def test_speculation_really_ran(models):
+def test_speculation_really_ran(coupled_models):
     """The invariance is not vacuous: drafts were accepted at temperature 1, and lookup steps served
     sampled requests (repetitive prompts, so that their last tokens occurred before)."""
     prompts, kw = [[7, 7, 7, 7], [1, 2, 1, 2, 1, 2]], dict(temperature=1.0, min_p=0.2)
-    dec = _decoder(models, "chain_lookup")
+    dec = _decoder(coupled_models, "chain_lookup")
     out = dec.generate(prompts, max_new_tokens=MAX_NEW, seed=SEEDS[:2], ignore_eos=True, **kw)
     assert any(dec.last_stats.lookup)
     assert max(n for r in out for n in r.accepted_lengths) > 1
-    assert [r.token_ids for r in out] == _run(_decoder(models, "none"), prompts, kw, SEEDS[:2])
+    assert [r.token_ids for r in out] == _run(_decoder(coupled_models, "none"), prompts, kw, SEEDS[:2])
 
 
 def _mutant_keyed_by_row(seeds, positions):
@@ -161,31 +167,31 @@ def _mutant_keyed_by_row(seeds, positions):
     return coupled_mod._stream(coupled_mod._stream(rows, torch.zeros_like(rows)), positions)
 
 
-def test_noise_keyed_by_batch_row_breaks_the_invariance(models, reference, monkeypatch):
+def test_noise_keyed_by_batch_row_breaks_the_invariance(coupled_models, reference, monkeypatch):
     monkeypatch.setattr(coupled_mod, "_position_keys", _mutant_keyed_by_row)
-    dec = _decoder(models, "chain")
+    dec = _decoder(coupled_models, "chain")
     kw = SAMPLING["t1"]
     batched = _run(dec, PROMPTS, kw, SEEDS)
     alone = [_run(dec, [PROMPTS[i]], kw, [SEEDS[i]])[0] for i in range(len(PROMPTS))]
     assert batched != alone
 
 
-def test_auto_depth_may_follow_timing_under_coupled(models, reference, monkeypatch):
+def test_auto_depth_may_follow_timing_under_coupled(coupled_models, reference, monkeypatch):
     rng = random.Random(0)
     monkeypatch.setattr(DepthController, "choose", lambda self, regime: rng.randint(0, self.max_depth))
-    dec = _decoder(models, "auto")
+    dec = _decoder(coupled_models, "auto")
     assert _run(dec, PROMPTS, SAMPLING["t1"], SEEDS) == reference["t1"]
     assert len(set(dec.last_stats.depths)) > 1
 
 
-def test_greedy_requests_are_unchanged(models):
-    coupled = _decoder(models, "tree_5_4_8")
-    plain = SpecDecoder(models["target"], models["eagle"], num_steps=5, topk=4, num_draft_tokens=8)
+def test_greedy_requests_are_unchanged(coupled_models):
+    coupled = _decoder(coupled_models, "tree_5_4_8")
+    plain = SpecDecoder(coupled_models["target"], coupled_models["eagle"], num_steps=5, topk=4, num_draft_tokens=8)
     assert _run(coupled, PROMPTS, {}, None) == _run(plain, PROMPTS, {}, None)
 
 
-def test_seed_none_draws_one_seed_per_request(models):
-    dec = _decoder(models, "chain")
+def test_seed_none_draws_one_seed_per_request(coupled_models):
+    dec = _decoder(coupled_models, "chain")
     torch.manual_seed(0)
     first = _run(dec, PROMPTS, SAMPLING["t1"], None)
     torch.manual_seed(0)
@@ -194,9 +200,9 @@ def test_seed_none_draws_one_seed_per_request(models):
 
 
 @pytest.mark.parametrize("name", ["tree_5_4_8", "chain_lookup", "eagle3"])
-def test_one_host_sync_per_step_under_coupled(models, host_reads, name):
+def test_one_host_sync_per_step_under_coupled(coupled_models, host_reads, name):
     """The noise, coupled drafts and coupled verification read nothing back: one host copy per step."""
-    dec = _decoder(models, name)
+    dec = _decoder(coupled_models, name)
     dec.generate([[7, 7, 7, 7], [1, 2, 1, 2, 1, 2]], max_new_tokens=12, temperature=[1.0, 0.7], seed=[3, 4],
                  ignore_eos=True)
     steps = 1 + len(dec.last_stats.step_s)

@@ -19,6 +19,8 @@ from spec_decode import SpecDecoder
 from spec_decode.models import KVCache, Transformer
 from tiny_models import make_tiny_eagle, make_tiny_target
 
+pytestmark = pytest.mark.slow  # frequency tests over many sampled sequences
+
 ALPHA = 1e-6
 V = 6
 PROMPT = [1, 2, 3]

@@ -8,24 +8,13 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
-from spec_decode.models import Transformer
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
-
-    root = tmp_path_factory.mktemp("input_models")
-    target = Transformer.from_pretrained(make_tiny_target(root, seed=0), dtype=torch.float32)
-    return dict(target=target, eagle=make_tiny_eagle(target, seed=1),
-                eagle3=make_tiny_eagle3(target, draft_vocab_size=61))
-
-
-def _eagle(models, **kw):
-    return SpecDecoder(models["target"], models["eagle"], method="eagle", **{**TREE, **kw})
+def _eagle(random_models, **kw):
+    return SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", **{**TREE, **kw})
 
 
 @pytest.mark.parametrize("prompts, kw, match", [
@@ -47,9 +36,9 @@ def _eagle(models, **kw):
     (["ab", "cd"], dict(max_new_tokens=4), r"prompt_token_ids\[0\]"),
     ([[1, True]], dict(max_new_tokens=4), "outside"),
 ])
-def test_bad_generate_inputs_name_the_argument(models, prompts, kw, match):
+def test_bad_generate_inputs_name_the_argument(random_models, prompts, kw, match):
     with pytest.raises(ValueError, match=match):
-        _eagle(models).generate(prompts, **kw)
+        _eagle(random_models).generate(prompts, **kw)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -58,23 +47,23 @@ def test_bad_generate_inputs_name_the_argument(models, prompts, kw, match):
     (dict(num_steps="deep"), "num_steps"),
     (dict(num_steps=True), "num_steps"),
 ])
-def test_bad_decoder_options_name_the_argument(models, kw, match):
+def test_bad_decoder_options_name_the_argument(random_models, kw, match):
     with pytest.raises(ValueError, match=match):
-        SpecDecoder(models["target"], models["eagle3"], method="eagle3", **{**TREE, **kw})
+        SpecDecoder(random_models["target"], random_models["eagle3"], method="eagle3", **{**TREE, **kw})
 
 
-def test_a_drafter_of_another_method_is_rejected(models):
+def test_a_drafter_of_another_method_is_rejected(random_models):
     """An EAGLE-3 head run as EAGLE-1 drafts from the wrong features at half the acceptance."""
     with pytest.raises(ValueError, match="EagleHead"):
-        SpecDecoder(models["target"], models["eagle3"], method="eagle", **TREE)
+        SpecDecoder(random_models["target"], random_models["eagle3"], method="eagle", **TREE)
     with pytest.raises(ValueError, match="Eagle3Head"):
-        SpecDecoder(models["target"], models["eagle"], method="eagle3", **TREE)
+        SpecDecoder(random_models["target"], random_models["eagle"], method="eagle3", **TREE)
     with pytest.raises(ValueError, match="Transformer"):
-        SpecDecoder(models["target"], models["eagle"], method="draft_model", **TREE)
+        SpecDecoder(random_models["target"], random_models["eagle"], method="draft_model", **TREE)
 
 
-def test_documented_forms_are_accepted(models):
-    dec = _eagle(models)
+def test_documented_forms_are_accepted(random_models):
+    dec = _eagle(random_models)
     out = dec.generate(PROMPTS, max_new_tokens=8, stop_token_ids=0, faults=None, seed=torch.Generator().manual_seed(1),
                        temperature=None, top_k=None, top_p=None)
     assert all(len(r.token_ids) <= 8 and r.finish_reason in ("stop", "length") for r in out)
@@ -83,8 +72,8 @@ def test_documented_forms_are_accepted(models):
     assert [r.request_id for r in out] == ["x", "7"]
 
 
-def test_host_syncs_is_deprecated_in_favour_of_a_measured_count(models):
-    dec = _eagle(models)
+def test_host_syncs_is_deprecated_in_favour_of_a_measured_count(random_models):
+    dec = _eagle(random_models)
     dec.generate(PROMPTS, max_new_tokens=6)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -93,13 +82,13 @@ def test_host_syncs_is_deprecated_in_favour_of_a_measured_count(models):
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
 
 
-def test_phase_timer_sees_every_phase_of_a_step(models):
+def test_phase_timer_sees_every_phase_of_a_step(random_models):
     import contextlib
 
     from spec_decode.pipeline import PHASES
 
     seen = []
-    dec = _eagle(models)
+    dec = _eagle(random_models)
     dec.phase_timer = lambda name: (seen.append(name), contextlib.nullcontext())[1]
     dec.generate(PROMPTS, max_new_tokens=6)
     depths = dec.last_stats.depths

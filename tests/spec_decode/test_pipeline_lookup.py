@@ -6,7 +6,6 @@ import torch
 
 from spec_decode import NanFault, SpecDecoder
 from spec_decode.lookup import ContextLookup
-from spec_decode.models import Transformer
 
 # Each prompt holds every token of the tiny vocabulary (97), so with lookup_ngram=1 every context has
 # lookup drafts at every step (random models rarely accept them: the shipped target's test below does).
@@ -30,24 +29,14 @@ class ScriptedLookup:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
-
-    root = tmp_path_factory.mktemp("lookup_models")
-    target = Transformer.from_pretrained(make_tiny_target(root, seed=0), dtype=torch.float32)
-    return dict(target=target, eagle=make_tiny_eagle(target, seed=1),
-                eagle3=make_tiny_eagle3(target, draft_vocab_size=61), draft_model=target, none=None)
-
-
-@pytest.fixture(scope="module")
-def ar(models):
-    dec = SpecDecoder(models["target"], None, method="none")
+def ar(random_models):
+    dec = SpecDecoder(random_models["target"], None, method="none")
     return [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=MAX_NEW)]
 
 
-def decoder(models, method, **kw):
+def decoder(random_models, method, **kw):
     tree = {} if method == "none" else dict(num_steps=3, topk=1, num_draft_tokens=4)
-    return SpecDecoder(models["target"], models[method], method=method, **{**tree, **kw})
+    return SpecDecoder(random_models["target"], random_models[method], method=method, **{**tree, **kw})
 
 
 PATTERNS = {"always": [True], "alternate": [True, False], "backlog": [True, True, True, False], "never": [False]}
@@ -56,8 +45,8 @@ PATTERNS = {"always": [True], "alternate": [True, False], "backlog": [True, True
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "draft_model", "none"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(models, ar, method, batch, pattern):
-    dec = decoder(models, method, lookup_ngram=1, lookup_tokens=5)
+def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(random_models, ar, method, batch, pattern):
+    dec = decoder(random_models, method, lookup_ngram=1, lookup_tokens=5)
     script = ScriptedLookup(dec, PATTERNS[pattern])
     out = []
     for i in range(0, len(PROMPTS), batch):
@@ -73,8 +62,8 @@ def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(models, ar, method,
     assert sum(script.made) >= sum(scripted) - len(PROMPTS) // batch and sum(script.made) <= sum(scripted)
 
 
-def test_a_lookup_step_needs_no_drafter_call(models):
-    dec = decoder(models, "eagle", lookup_ngram=1, lookup_tokens=5)
+def test_a_lookup_step_needs_no_drafter_call(random_models):
+    dec = decoder(random_models, "eagle", lookup_ngram=1, lookup_tokens=5)
     ScriptedLookup(dec, [True, False])
     calls = []
     forward = dec.drafter.draft_forward
@@ -89,8 +78,8 @@ def test_a_lookup_step_needs_no_drafter_call(models):
     assert len(calls) == sum(drafted)   # each drafted step: its catch-up and depth - 1 calls
 
 
-def test_lookup_drafts_are_cut_to_the_tokens_left(models):
-    dec = decoder(models, "eagle", lookup_ngram=1, lookup_tokens=8)
+def test_lookup_drafts_are_cut_to_the_tokens_left(random_models):
+    dec = decoder(random_models, "eagle", lookup_ngram=1, lookup_tokens=8)
     out = dec.generate(PROMPTS[:2], max_new_tokens=4)
     stats = dec.last_stats
     assert stats.lookup[0] and stats.depths[0] == 2   # 3 tokens left after the prefill's: at most 2 drafts
@@ -100,28 +89,28 @@ def test_lookup_drafts_are_cut_to_the_tokens_left(models):
     assert dec.last_stats.depths[0] == 4   # untrimmed, still no more drafts than max_new_tokens
 
 
-def test_a_request_without_drafts_makes_the_step_draft_as_configured(models, ar):
+def test_a_request_without_drafts_makes_the_step_draft_as_configured(random_models, ar):
     fresh = [30, 31, 32, 33]   # no token repeats
-    alone = SpecDecoder(models["target"], None, method="none").generate([fresh], max_new_tokens=MAX_NEW)[0]
+    alone = SpecDecoder(random_models["target"], None, method="none").generate([fresh], max_new_tokens=MAX_NEW)[0]
     assert not ContextLookup(1, fresh + alone.token_ids[:1]).drafts(1)   # its first step has no lookup drafts
-    dec = decoder(models, "eagle", lookup_ngram=1)
+    dec = decoder(random_models, "eagle", lookup_ngram=1)
     out = dec.generate([PROMPTS[0], fresh], max_new_tokens=MAX_NEW)
     assert not dec.last_stats.lookup[0]
     assert [r.token_ids for r in out] == [ar[0], alone.token_ids]
 
 
 @pytest.mark.parametrize("temperature", [1.0, [0.0, 1.0]], ids=["sampled", "mixed"])
-def test_batches_with_sampled_requests_never_take_lookup_steps(models, temperature):
-    dec = decoder(models, "eagle", lookup_ngram=1)
+def test_batches_with_sampled_requests_never_take_lookup_steps(random_models, temperature):
+    dec = decoder(random_models, "eagle", lookup_ngram=1)
     with_lookup = dec.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature, seed=[1, 2])
     assert not any(dec.last_stats.lookup)
-    plain = decoder(models, "eagle").generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature,
+    plain = decoder(random_models, "eagle").generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature,
                                               seed=[1, 2])
     assert [r.token_ids for r in with_lookup] == [r.token_ids for r in plain]
 
 
-def test_the_depth_controller_is_neither_asked_nor_told_of_lookup_steps(models):
-    dec = SpecDecoder(models["target"], models["eagle"], method="eagle", num_steps="auto", topk=1,
+def test_the_depth_controller_is_neither_asked_nor_told_of_lookup_steps(random_models):
+    dec = SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", num_steps="auto", topk=1,
                       num_draft_tokens=5, lookup_ngram=1)
     ScriptedLookup(dec, [True, False, False])
     recorded = []   # the lookup flag of each recorded step (record runs after the step's stats)
@@ -134,8 +123,8 @@ def test_the_depth_controller_is_neither_asked_nor_told_of_lookup_steps(models):
     assert len(asked) == dec.last_stats.lookup.count(False)
 
 
-def test_abort_stops_only_the_corrupted_request_at_a_lookup_step(models, ar):
-    dec = decoder(models, "eagle", lookup_ngram=1, nan_policy="abort")
+def test_abort_stops_only_the_corrupted_request_at_a_lookup_step(random_models, ar):
+    dec = decoder(random_models, "eagle", lookup_ngram=1, nan_policy="abort")
     out = dec.generate(PROMPTS, max_new_tokens=MAX_NEW, faults=[NanFault(request=1, step=1, site="target_logits")])
     assert dec.last_stats.lookup[0]   # step 1 verified lookup drafts
     assert out[1].finish_reason == "nan_abort"
@@ -144,9 +133,9 @@ def test_abort_stops_only_the_corrupted_request_at_a_lookup_step(models, ar):
 
 @pytest.mark.parametrize("kw, name", [(dict(lookup_ngram=-1), "lookup_ngram"), (dict(lookup_ngram=1.5), "lookup_ngram"),
                                       (dict(lookup_tokens=0), "lookup_tokens")])
-def test_bad_lookup_arguments_are_named(models, kw, name):
+def test_bad_lookup_arguments_are_named(random_models, kw, name):
     with pytest.raises(ValueError, match=name):
-        decoder(models, "eagle", **kw)
+        decoder(random_models, "eagle", **kw)
 
 
 def test_from_pretrained_passes_the_lookup_arguments(safespec_tiny_target_path, safespec_tiny_eagle_path):
@@ -155,6 +144,7 @@ def test_from_pretrained_passes_the_lookup_arguments(safespec_tiny_target_path, 
     assert (dec.lookup_ngram, dec.lookup_tokens) == (3, 6)
 
 
+@pytest.mark.slow
 def test_on_the_shipped_target_a_looping_output_is_drafted_by_lookup(safespec_tiny_target_path, safespec_tiny_eagle_path,
                                                                    safespec_tiny_prompts):
     """The shipped target loops on some prompts (`import os` over and over): lookup steps accept deep there,

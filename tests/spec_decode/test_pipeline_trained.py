@@ -10,6 +10,8 @@ import torch
 
 from spec_decode import SpecDecoder
 
+pytestmark = pytest.mark.slow  # every method and tree shape end to end on the shipped models
+
 NUM_PROMPTS, MAX_NEW = 6, 48
 SHAPES = {
     "chain_k4": dict(num_steps=4, topk=1, num_draft_tokens=5),

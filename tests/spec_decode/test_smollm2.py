@@ -10,6 +10,8 @@ import torch
 from spec_decode import SpecDecoder, fixtures
 from spec_decode.models import Transformer
 
+pytestmark = pytest.mark.slow  # the real model
+
 MAX_NEW = 40
 
 

@@ -13,6 +13,8 @@ from spec_decode.bench import main
 from spec_decode.bench.prompt_sets import PROMPT_SETS, chat_instructions, prompt_texts
 from spec_decode.bench.suites import default_methods, suite_table
 
+pytestmark = pytest.mark.slow  # the real model through the bench
+
 
 def _entry(tps, ar=None, hf=None, acc=None, equal=True):
     e = {"tokens_per_s": tps, "speedup_vs_ar": ar, "speedup_vs_hf_generate": hf, "mean_accepted_length": acc,

@@ -39,6 +39,7 @@ def test_it_computes_attention(kernel, B, H, R, S, D):
                                atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_row_depends_on_its_visible_keys_only(kernel):
     q, k, v, mask = _operands(2, 1, 4, 40, 32, extra=30)   # two key blocks, the padding reaching a third
     base = kernel.invariant_attention(q, k, v, mask, 0.2)

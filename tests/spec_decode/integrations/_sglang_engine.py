@@ -3,7 +3,7 @@
 Run as a script, one engine per process, because a scheduler that dies (policy ``raise``)
 sends SIGQUIT to its parent::
 
-    python tests/spec_decode/_sglang_engine.py SPEC.json
+    python tests/spec_decode/integrations/_sglang_engine.py SPEC.json
 
 SPEC holds ``model`` (a directory from ``write_tiny_llama``, or any HF-layout checkpoint), optional ``engine_args``
 (merged over ``ENGINE_ARGS``, e.g. ``{"tp_size": 2}``), ``out`` (a JSON file the

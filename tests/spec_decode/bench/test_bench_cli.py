@@ -203,7 +203,7 @@ def test_bad_value_exits_2_naming_the_option_before_any_work(fx, tmp_path, capsy
 def test_min_run_time_nan_returns_at_once_from_the_console_entry():
     """The entry point itself, no stand-ins: it once timed forever."""
     proc = subprocess.run([sys.executable, "-m", "spec_decode.bench", "numerics", "--min-run-time", "nan"],
-                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode == 2, proc.stderr
     assert "--min-run-time" in proc.stderr.strip().splitlines()[-1]
 

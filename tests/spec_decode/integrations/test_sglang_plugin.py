@@ -567,7 +567,7 @@ def test_load_plugins_honours_sglang_plugins_allow_list(monkeypatch, allow_list,
 
 def test_pyproject_declares_entry_point_and_extra():
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python >= 3.11")
-    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
     project = pyproject["project"]
     assert project["entry-points"]["sglang.srt.plugins"]["safespec"] == "spec_decode.integrations.sglang_plugin:register"
     assert any(dep.startswith("sglang") for dep in project["optional-dependencies"]["sglang"])

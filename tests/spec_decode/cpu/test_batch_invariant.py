@@ -140,11 +140,13 @@ def _smollm2_lookup_equals_ar(smollm2_dir, prompts, invariant: bool | None) -> b
             and [_tokens(lookup, [p])[0] for p in few] == ar)
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_lookup_and_batches_equal_ar_alone(smollm2_dir, prompts):
     assert _smollm2_lookup_equals_ar(smollm2_dir, prompts, None)
 
 
 @OLD_ROUTES_VARY
+@pytest.mark.slow
 def test_mutant_smollm2_lookup_with_the_old_routes(smollm2_dir, prompts):
     assert not _smollm2_lookup_equals_ar(smollm2_dir, prompts, False)
 

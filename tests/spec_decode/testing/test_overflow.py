@@ -36,7 +36,7 @@ def clean_prompts(safespec_tiny_prompts, trigger_id) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def models(safespec_tiny_target_path, trigger_id):
+def planted_models(safespec_tiny_target_path, trigger_id):
     """{dtype name: (base model, planted model)} loaded from the trained target."""
     out = {}
     for name, dtype in DTYPES.items():
@@ -71,8 +71,8 @@ def test_magnitude_overflows_fp16_only():
     assert torch.isfinite(x.bfloat16()).all() and torch.isfinite(x).all()
 
 
-def test_plant_changes_exactly_one_entry(models, trigger_id):
-    base, planted = models["fp32"]
+def test_plant_changes_exactly_one_entry(planted_models, trigger_id):
+    base, planted = planted_models["fp32"]
     changed = {k for k, v in base.state_dict().items() if not torch.equal(v, planted.state_dict()[k])}
     assert changed == {"embed_tokens.weight"}
     diff = (base.embed_tokens.weight != planted.embed_tokens.weight).nonzero().tolist()
@@ -80,9 +80,9 @@ def test_plant_changes_exactly_one_entry(models, trigger_id):
 
 
 @pytest.mark.parametrize("pos", [0, 17, -1])
-def test_fp16_trigger_poisons_its_request_only(models, clean_prompts, trigger_id, pos):
+def test_fp16_trigger_poisons_its_request_only(planted_models, clean_prompts, trigger_id, pos):
     """Batch of 2: request 0 holds the trigger, request 1 does not and must equal the base model."""
-    base, planted = models["fp16"]
+    base, planted = planted_models["fp16"]
     ids = torch.tensor([clean_prompts[0][:48], clean_prompts[1][:48]])
     pos = pos % 48
     ids[0, pos] = trigger_id
@@ -93,9 +93,9 @@ def test_fp16_trigger_poisons_its_request_only(models, clean_prompts, trigger_id
     assert torch.equal(got[1], ref[1])
 
 
-def test_fp16_committed_prefix_before_the_trigger_stays_finite(models, clean_prompts, trigger_id):
+def test_fp16_committed_prefix_before_the_trigger_stays_finite(planted_models, clean_prompts, trigger_id):
     """The trigger arrives in a later block: the earlier block's logits are unaffected."""
-    base, planted = models["fp16"]
+    base, planted = planted_models["fp16"]
     prefix = torch.tensor([clean_prompts[2][:32]])
     block = torch.tensor([clean_prompts[3][:4]])
     block[0, 0] = trigger_id
@@ -110,8 +110,8 @@ def test_fp16_committed_prefix_before_the_trigger_stays_finite(models, clean_pro
 
 
 @pytest.mark.parametrize("pos", [17, -1])
-def test_fp16_nan_exactly_from_the_trigger_on(models, clean_prompts, trigger_id, pos):
-    base, planted = models["fp16"]
+def test_fp16_nan_exactly_from_the_trigger_on(planted_models, clean_prompts, trigger_id, pos):
+    base, planted = planted_models["fp16"]
     ids = torch.tensor([clean_prompts[0]])
     T = ids.shape[1]
     pos = pos % T
@@ -123,8 +123,8 @@ def test_fp16_nan_exactly_from_the_trigger_on(models, clean_prompts, trigger_id,
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_trigger_stays_finite_in_bf16_and_fp32(models, clean_prompts, trigger_id, dtype):
-    base, planted = models[dtype]
+def test_trigger_stays_finite_in_bf16_and_fp32(planted_models, clean_prompts, trigger_id, dtype):
+    base, planted = planted_models[dtype]
     ids = torch.tensor([clean_prompts[1][:48]])
     ids[0, 5] = trigger_id
     got, ref = forward(planted, ids), forward(base, ids)
@@ -135,8 +135,8 @@ def test_trigger_stays_finite_in_bf16_and_fp32(models, clean_prompts, trigger_id
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_without_trigger_outputs_equal_the_base_model(models, clean_prompts, dtype):
-    base, planted = models[dtype]
+def test_without_trigger_outputs_equal_the_base_model(planted_models, clean_prompts, dtype):
+    base, planted = planted_models[dtype]
     for prompt in clean_prompts[:2]:
         ids = torch.tensor([prompt[:48]])
         assert torch.equal(forward(planted, ids), forward(base, ids))
@@ -154,13 +154,13 @@ def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
     return mask
 
 
-def test_fp16_nan_exactly_on_tree_branches_with_the_trigger(models, clean_prompts, trigger_id):
+def test_fp16_nan_exactly_on_tree_branches_with_the_trigger(planted_models, clean_prompts, trigger_id):
     """Batch of 2 verify trees after a committed prefix; only request 0's tree holds the trigger.
 
     Tree (node: parent): 0:-1, 1:0, 2:0, 3:1, 4:1, 5:2, 6:3, 7:5; the trigger is node 1, so NaN must be
     exactly on nodes {1, 3, 4, 6} of request 0 and nowhere in request 1.
     """
-    base, planted = models["fp16"]
+    base, planted = planted_models["fp16"]
     parents = [-1, 0, 0, 1, 1, 2, 3, 5]
     mask = tree_mask_from_parents(parents).expand(2, -1, -1)
     prefix = torch.tensor([clean_prompts[2][:32], clean_prompts[3][:32]])
@@ -202,8 +202,8 @@ def test_works_on_transformers_models(safespec_tiny_target_path, clean_prompts, 
     (dict(token_id=5, magnitude=float("inf")), "magnitude"),
     (dict(token_id=5, magnitude=float("nan")), "magnitude"),
 ])
-def test_bad_arguments(models, kwargs, match):
-    model = models["fp32"][0]
+def test_bad_arguments(planted_models, kwargs, match):
+    model = planted_models["fp32"][0]
     token_id = kwargs.pop("token_id")
     with pytest.raises(ValueError, match=match):
         plant_massive_activation(model, token_id, **kwargs)

@@ -106,6 +106,7 @@ def test_greedy_output_is_the_targets(target, shape):
 
 
 @pytest.mark.parametrize("draft_sampling", ["auto", "greedy"])
+@pytest.mark.slow
 def test_temperature_one_matches_the_target_distribution(target, draft_sampling):
     decoder = SpecDecoder(target, make_fr_eagle(target), method="eagle", draft_sampling=draft_sampling, **TREE)
     counts, mean_accepted = sample_counts(decoder, seed=11)
@@ -113,6 +114,7 @@ def test_temperature_one_matches_the_target_distribution(target, draft_sampling)
     assert mean_accepted > 1.2
 
 
+@pytest.mark.slow
 def test_mutant_scattering_q_to_the_first_ids_is_caught(target, monkeypatch):
     """q written at target ids 0..Vd-1 (d2t ignored) while drafts map through d2t: the law breaks."""
     def first_ids(self, probs):

@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.slow  # the invariant kernels under the Triton interpreter, in subprocesses
+
 _CHECK = """
 import torch
 from spec_decode.bench.gpu_check import check_invariant_rows

@@ -23,7 +23,7 @@ from _sglang_harness import import_sglang
 _SKIP_REASON = import_sglang()
 pytestmark = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
 
-DOC = Path(__file__).parents[2] / "docs" / "sglang.md"
+DOC = Path(__file__).parents[3] / "docs" / "sglang.md"
 SRT = "sglang.srt."
 SCANNED = ("speculative", "dllm", "hardware_backend", "sampling", "beam_search", "layers/sampler.py")
 """Folders (and a file) of sglang/srt scanned for token-sampling call sites."""

@@ -151,7 +151,7 @@ def test_bad_arguments_are_named():
 
 
 def test_the_packed_copy_does_not_follow_the_weight():
-    """``PanelWeight`` is a snapshot; ``Linear`` rebuilds it when its weight changes (test_model)."""
+    """``PanelWeight`` is a snapshot; ``Linear`` rebuilds it when its weight changes (test_linear)."""
     x, w, b = _operands(2, 8, 16, True, seed=5)
     packed = PanelWeight(w, b)
     before = packed(x)
@@ -208,6 +208,7 @@ def test_the_switch_turns_the_kernel_off(monkeypatch, fresh_kernel):
     assert not cpu_gemm.available()
 
 
+@pytest.mark.slow
 def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
     monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
     assert cpu_gemm.available()
@@ -222,6 +223,7 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
     assert cpu_gemm.available()
 
 
+@pytest.mark.slow
 def test_a_new_build_prunes_all_but_the_most_recently_used_ones(monkeypatch, tmp_path, fresh_kernel):
     import os
 
@@ -241,6 +243,7 @@ def test_a_new_build_prunes_all_but_the_most_recently_used_ones(monkeypatch, tmp
     assert len(built) == 1
 
 
+@pytest.mark.slow
 def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path, fresh_kernel):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
