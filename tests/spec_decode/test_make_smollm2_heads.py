@@ -194,3 +194,27 @@ def test_init_from_a_head_that_does_not_fit_names_it(msh, shipped_target, tmp_pa
     Eagle3Head(msh.mf.head_config(other, eagle_config=eagle_cfg), other).save_pretrained(tmp_path / "head")
     with pytest.raises(ValueError, match=str(tmp_path / "head")):
         msh.load_init_head(tmp_path / "head", shipped_target)
+
+
+def test_agreement_on_the_evaluation_sets(msh, build, shipped_target):
+    run, root = build
+    out = root / "models" / "head"
+    if not out.is_dir():
+        assert run("eagle3") == 0 and run("export") == 0
+    assert run("agreement", "--measure-rows", "3") == 0
+    stats = json.loads((root / "work" / "stats" / "agreement.json").read_text())
+    for prompt_set in ("humaneval", "chat"):
+        assert stats[prompt_set]["positions"] == 3 * NEW_TOKENS   # every new token, predicted from before it
+        assert 0 <= stats[prompt_set]["step1_agreement"] <= 1
+    shard = msh.read_shard(root / "work" / "eval-humaneval")
+    assert shard["temperatures"].tolist() == [0.0] * 3
+    # a head whose lm_head is zero argmaxes draft id 0 everywhere: it agrees exactly where the target's
+    # greedy token (the recorded top-1 before each new token) is that id
+    head = load_drafter(out, shipped_target, method="eagle3")
+    torch.nn.init.zeros_(head.lm_head.weight)
+    only = int(head.to_target_ids(torch.tensor(0)))
+    wanted = [shard["topk_ids"][shard["offsets"][r] + pl - 1: shard["offsets"][r + 1] - 1, 0]
+              for r, pl in enumerate(shard["prompt_lens"])]
+    hits = sum(int((w == only).sum()) for w in wanted)
+    assert msh.step1_agreement(head, shard, 3) == {"step1_agreement": round(hits / (3 * NEW_TOKENS), 4),
+                                                     "positions": 3 * NEW_TOKENS}
