@@ -16,7 +16,7 @@ COUPLED_TWINS = ("eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eag
 DEFAULT_METHODS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
                    "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
 """What ``spec-bench`` runs unless ``--methods`` says otherwise."""
-METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup")
+METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup", "eagle3_chain", "eagle3_lookup")
 BENCH_DTYPES = ("fp32", "bf16")
 """The dtypes the bench measures, of ``dtype_names.DTYPE_NAMES`` (fp16 runs in the tests and
 ``tools/smollm2_fp16.py``, not in the bench)."""
@@ -79,6 +79,9 @@ METHOD_SPECS = {
     # last 3 tokens occurred before in its context (prompt lookup; 8 drafts a step at most)
     "eagle_lookup": MethodSpec("eagle_lookup", "ours", "eagle", "eagle", 5, 1, 6, lookup_ngram=3),
     "eagle3_tree": MethodSpec("eagle3_tree", "ours", "eagle3", "eagle3", 4, 2, 8, score_temperature=0.5),
+    # the EAGLE-3 chain, alone and with lookup steps (as eagle_lookup): the real model's heads run them
+    "eagle3_chain": MethodSpec("eagle3_chain", "ours", "eagle3", "eagle3", 4, 1, 5),
+    "eagle3_lookup": MethodSpec("eagle3_lookup", "ours", "eagle3", "eagle3", 4, 1, 5, lookup_ngram=3),
     # prompt lookup alone (no drafter): greedy steps verify up to 8 tokens copied from where the last
     # 3 tokens occurred before in the context; sampled requests decode one token a step
     "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),
