@@ -111,10 +111,14 @@ VOCAB_CASES = [
 ]
 
 
+SLOW_VOCAB = 100_000  # a real model's vocabulary: slow under the Triton interpreter, left out of `make test-fast`
+
+
 def _vocab_params():
     for vocab, rows, layouts in VOCAB_CASES:
         for layout in layouts:
-            yield pytest.param(vocab, rows, layout, id=f"V{vocab}-{layout}")
+            yield pytest.param(vocab, rows, layout, id=f"V{vocab}-{layout}",
+                               marks=pytest.mark.slow if vocab > SLOW_VOCAB else ())
 
 
 def _fill(rows, vocab, dtype, layout):
@@ -151,9 +155,13 @@ RANGE_CASES = {
 }
 
 
+SLOW_RANGE_CASES = {"long_ranges"}  # hundreds of rows: slow under the Triton interpreter
+
+
 @pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES + [torch.float64])
-@pytest.mark.parametrize("name", list(RANGE_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_RANGE_CASES else ())
+                                  for n in RANGE_CASES])
 def test_kernel_matches_reference_over_request_ranges(name, dtype, cu_dtype):
     rows, cu_list = RANGE_CASES[name]
     base = _fill(rows, 37, dtype, "wider")
