@@ -324,26 +324,59 @@ def draft_target_ids(drafter: Drafter, target) -> Tensor | None:
     return drafter.to_target_ids(torch.arange(vocab, device=target.device))
 
 
-def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
-               num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None = None,
-               sampling: DraftSampling | None = None, score_temperature: float = 1.0,
-               noise: CoupledNoise | None = None) -> DraftTree:
-    """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
+@dataclass(frozen=True)
+class TreeRoot:
+    """The verify tree's node 0 and the drafter's prediction after it: where a draft tree starts.
 
     Shape:
-        root          [B] int64, the verify tree's node 0
-        first_logits  [B, Vd] drafter logits predicting the token after the root
-        first_hidden  [B, H] drafter feature of that prediction (None for a plain draft LM)
+        token   [B] int64, the verify tree's node 0
+        logits  [B, Vd] drafter logits predicting the token after the root
+        hidden  [B, H] drafter feature of that prediction (None for a plain draft LM)
+    """
+
+    token: Tensor
+    logits: Tensor
+    hidden: Tensor | None
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How large a draft tree grows and how its greedy candidates are ranked.
+
+    ``num_steps`` drafting depth, ``topk`` children per frontier node, ``num_draft_tokens`` nodes
+    (root included; ``topk=1`` with ``num_steps + 1`` nodes is a chain). ``score_temperature``:
+    see ``draft_tree``; checked at construction (ValueError naming it).
+    """
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    score_temperature: float = 1.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "score_temperature", check_score_temperature(self.score_temperature))
+
+    @property
+    def chain(self) -> bool:
+        """A full chain: one child per node, ``num_steps + 1`` nodes."""
+        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
+
+
+def draft_tree(drafter: Drafter, cache, root: TreeRoot, shape: TreeShape, *, kv_len: int | None = None,
+               sampling: DraftSampling | None = None, noise: CoupledNoise | None = None) -> DraftTree:
+    """Expand an EAGLE-2 dynamic tree from the drafter's prediction after the root.
+
+    Shape: see ``TreeRoot``.
     ``kv_len``: host int, the longest committed drafter cache row count in the batch (None: attend
     over the whole cache). ``sampling``: None drafts greedily for every row; otherwise rows with
     ``sampling.sampled`` draw their children from q and the tree carries ``draft_probs``.
-    Returns a DraftTree with N = num_draft_tokens nodes (root included); greedy trees are always
-    full (the pool holds at least ``num_draft_tokens - 1`` candidates, checked at construction);
-    sampled trees keep ``sum(sampled_depth_budget(...))`` nodes and pad the rest.
+    Returns a DraftTree with N = ``shape.num_draft_tokens`` nodes (root included); greedy trees are
+    always full (the pool holds at least ``num_draft_tokens - 1`` candidates, checked at
+    construction); sampled trees keep ``sum(sampled_depth_budget(...))`` nodes and pad the rest.
     Drafter calls: ``num_steps - 1``, each over the newest ``topk`` frontier rows only.
     NaN: drafter logits are sanitized before ranking, so a NaN draft never yields a bad id.
 
-    ``score_temperature``: greedy rows score a candidate by its path's summed
+    ``shape.score_temperature``: greedy rows score a candidate by its path's summed
     ``log_softmax(logits / score_temperature)``; 1.0 is EAGLE-2's rule (the drafter's confidence).
     Below 1 it trusts the drafter's first choices more than its confidence says. That fits
     greedy verification: a first choice is accepted when it is the target's argmax, which happens
@@ -356,29 +389,27 @@ def draft_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, firs
     ``noise``: coupled drafting, whose greedy rows rank ``noise.scores(logits, depth)`` instead of the
     logits of the children at ``depth`` (``CoupledNoise``); it needs ``sampling=None``.
     """
-    score_temperature = check_score_temperature(score_temperature)
     if noise is not None and sampling is not None:
         raise ValueError("noise ranks greedy drafts: pass sampling=None with it")
     transform = _no_transform if noise is None else noise.scores
-    if topk == 1 and num_draft_tokens == num_steps + 1:
-        return _draft_chain(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, kv_len=kv_len,
-                            sampling=sampling, transform=transform)
-    return _draft_pool_tree(drafter, cache, root, first_logits, first_hidden, num_steps=num_steps, topk=topk,
-                            num_draft_tokens=num_draft_tokens, kv_len=kv_len, sampling=sampling,
-                            score_temperature=score_temperature, transform=transform)
+    if shape.chain:
+        return _draft_chain(drafter, cache, root, shape.num_steps, kv_len=kv_len, sampling=sampling,
+                            transform=transform)
+    return _draft_pool_tree(drafter, cache, root, shape, kv_len=kv_len, sampling=sampling, transform=transform)
 
 
 def _no_transform(logits: Tensor, depth: int) -> Tensor:
     return logits
 
 
-def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
-                     num_steps: int, topk: int, num_draft_tokens: int, kv_len: int | None,
-                     sampling: DraftSampling | None, score_temperature: float = 1.0,
-                     transform: LogitsTransform = _no_transform) -> DraftTree:
+def _draft_pool_tree(drafter: Drafter, cache, start: TreeRoot, shape: TreeShape, *, kv_len: int | None,
+                     sampling: DraftSampling | None, transform: LogitsTransform = _no_transform) -> DraftTree:
     """``draft_tree`` for any shape: scored pool, ancestor sets, EAGLE-2 selection."""
-    B, k, device = root.shape[0], topk, root.device
-    budget = sampled_depth_budget(num_steps, topk, num_draft_tokens) if sampling is not None else None
+    root, first_logits, first_hidden = start.token, start.logits, start.hidden
+    num_steps, k, num_draft_tokens, score_temperature = (
+        shape.num_steps, shape.topk, shape.num_draft_tokens, shape.score_temperature)
+    B, device = root.shape[0], root.device
+    budget = sampled_depth_budget(num_steps, k, num_draft_tokens) if sampling is not None else None
     # greedy trees keep no flags: every candidate is eligible (None skips their ops)
     no_kept = lambda n: None if sampling is None else torch.zeros(B, n, dtype=torch.bool, device=device)
     take = lambda t, idx: None if t is None else t.gather(1, idx)
@@ -426,9 +457,8 @@ def _draft_pool_tree(drafter: Drafter, cache, root: Tensor, first_logits: Tensor
     return _select_tree(root, pool, num_draft_tokens, num_steps, sampling, node_q, drafter, widest)
 
 
-def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, first_hidden: Tensor | None, *,
-                 num_steps: int, kv_len: int | None, sampling: DraftSampling | None,
-                 transform: LogitsTransform = _no_transform) -> DraftTree:
+def _draft_chain(drafter: Drafter, cache, start: TreeRoot, num_steps: int, *, kv_len: int | None,
+                 sampling: DraftSampling | None, transform: LogitsTransform = _no_transform) -> DraftTree:
     """``draft_tree`` for a full chain (topk 1, num_steps + 1 nodes) without the pool: the same tree.
 
     Each depth keeps the drafter's first choice (top-1, or the first draw from q), which is what the
@@ -436,8 +466,8 @@ def _draft_chain(drafter: Drafter, cache, root: Tensor, first_logits: Tensor, fi
     Python and small ops around the ``num_steps - 1`` drafter calls.
     """
     N = num_steps + 1
-    chain, qs = [root[:, None]], []
-    logits, feature = first_logits[:, None], None if first_hidden is None else first_hidden[:, None]
+    chain, qs = [start.token[:, None]], []
+    logits, feature = start.logits[:, None], None if start.hidden is None else start.hidden[:, None]
     # A chain node sees every spec row before it: each call is a plain causal one-token forward
     # written depth - 1 rows after the committed ones. A drafter with ``prepare_chain`` builds those
     # calls' positions and masks at once; otherwise the spec rows count as committed for the moment

@@ -47,7 +47,8 @@ from numerics import NanPolicy, NonfiniteCounts
 from spec_decode.checks import DRAFT_SAMPLING, METHODS, check_draft_sampling, check_drafter, check_method
 from spec_decode.compilation import compile_in_place
 from spec_decode.depth import DepthController, sampling_regime
-from spec_decode.drafting import DraftTree, Drafter, check_score_temperature, draft_target_ids, draft_tree
+from spec_decode.drafting import (DraftTree, Drafter, TreeRoot, TreeShape, check_score_temperature, draft_target_ids,
+                                   draft_tree)
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.lookup import check_lookup_args
 from spec_decode.models import Transformer, set_batch_invariant
@@ -348,10 +349,11 @@ class SpecDecoder:
         first_logits, first_hidden = catch_up(self.drafter, state)
         inject(state, step, "draft_logits", first_logits)
         draft_counts = self._nan_pass(first_logits, 1, sanitize=False)
-        tree = draft_tree(self.drafter, state.draft_cache, state.root, first_logits, first_hidden, num_steps=depth,
-                          topk=self.topk, num_draft_tokens=min(self.num_draft_tokens, tree_capacity(depth, self.topk)),
+        shape = TreeShape(depth, self.topk, min(self.num_draft_tokens, tree_capacity(depth, self.topk)),
+                          self.tree_score_temperature)
+        tree = draft_tree(self.drafter, state.draft_cache, TreeRoot(state.root, first_logits, first_hidden), shape,
                           kv_len=max(state.draft_len), sampling=draft_sampling_rows(state, self.draft_sampling),
-                          score_temperature=self.tree_score_temperature, noise=coupled_noise(state, self._coupled_token_ids))
+                          noise=coupled_noise(state, self._coupled_token_ids))
         return tree, draft_counts
 
     def _verify_forward(self, state: DecodeState, tree: DraftTree):

@@ -31,6 +31,7 @@ import pstats
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -171,17 +172,32 @@ def _switch_off(decoder) -> dict:
     return saved
 
 
-def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
-                  max_new_tokens: int, *, phases: tuple[str, ...], temperature: float = 0.0, seed: int = 0,
+@dataclass(frozen=True)
+class Workload:
+    """What ``profile_split`` has both decoders generate: each prompt alone, ``max_new_tokens`` past it
+    (EOS ignored), at ``temperature`` (0: greedy) from ``seed`` (used only when sampling)."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+    def generate_kwargs(self) -> dict:
+        """``generate``'s keywords for one call (the prompt aside)."""
+        return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    seed=self.seed if self.temperature > 0 else None, ignore_eos=True)
+
+
+def profile_split(decoder, ar_decoder, drafter, work: Workload, *, phases: tuple[str, ...],
                   device: torch.device | None = None, clock=time.perf_counter) -> dict:
-    """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``prompts``; return the split.
+    """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``work``; return the split.
 
     ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
     and so are ``trim_last_steps`` and ``lookup_ngram``, off while it runs (every step then drafts the
     configured depth with the drafter).
     ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted
     and timed (None: none).
-    Both decoders get one warm-up call on ``prompts[0]``, then each prompt runs on both, one call each.
+    Both decoders get one warm-up call on ``work.prompts[0]``, then each prompt runs on both, one call each.
     Returns a dict: ``ar_step_ms``, ``step_ms``, ``steps``, ``mean_accepted_length``,
     ``phase_ms`` and ``ar_steps`` (phase -> ms per step and fraction of one ``ar`` step, including
     ``"unaccounted"``: the step minus its phases), ``step_ar_steps``, ``step_without_drafting_ar_steps``,
@@ -198,10 +214,10 @@ def profile_split(decoder, ar_decoder, drafter, prompts: list[list[int]],
     if not hasattr(decoder, "phase_timer"):
         raise TypeError(f"{type(decoder).__name__} has no phase_timer hook; spec-bench profile needs a SpecDecoder "
                         "that times its phases (spec_decode.pipeline.PHASES)")
+    prompts = work.prompts
     if not prompts:
         raise ValueError("prompts must not be empty")
-    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature,
-                    seed=seed if temperature > 0 else None, ignore_eos=True)
+    sampling = work.generate_kwargs()
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
@@ -413,8 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:   # BenchInputError and BenchConfig's checks name the option
         p.error(str(e))
     with torch_threads(cfg.threads):
-        split = profile_split(runner.decoder, ar.decoder, runner.modules[1], prompts, args.max_new_tokens,
-                              phases=pipeline.PHASES, temperature=args.temperature, seed=cfg.seed, device=device)
+        work = Workload(prompts, args.max_new_tokens, args.temperature, cfg.seed)
+        split = profile_split(runner.decoder, ar.decoder, runner.modules[1], work, phases=pipeline.PHASES,
+                              device=device)
         title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
                  f"{', its lookup steps off' if spec.lookup_ngram else ''}), {dtype}"
                  f"{', compiled' if cfg.compile else ''}, "

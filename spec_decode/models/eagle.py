@@ -85,7 +85,7 @@ from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import MLP, Attention, DecoderLayer, RMSNorm, set_exact_nan
-from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
+from spec_decode.models.masks import BlockPlacement, LayerInputs, block_inputs, chain_block_inputs, check_block_args
 from spec_decode.models.transformer import ModelOutput, Transformer, assign_state
 
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle"
@@ -197,10 +197,10 @@ class _DraftHead(RopeFrequencies, nn.Module):
         """``masks.chain_block_inputs`` for this head: the ``block`` of each of a chain's one-token calls."""
         return chain_block_inputs(self, cache, num_calls, self.dtype, kv_len)
 
-    def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, position_ids, tree_mask,
-                         input_lens, kv_len, feature_dims: tuple[int, ...], block: LayerInputs | None = None):
+    def _embed_and_block(self, input_ids: Tensor, hidden: Tensor, cache: KVCache, where: BlockPlacement,
+                         feature_dims: tuple[int, ...]):
         device, dtype = self.device, self.dtype   # once per forward
-        check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, device)
+        check_block_args(input_ids, cache, where, device)
         B, T = input_ids.shape
         if not isinstance(hidden, Tensor):
             raise ValueError(f"hidden (the features) must be a tensor [B={B}, T={T}, H in {feature_dims}], got "
@@ -212,7 +212,7 @@ class _DraftHead(RopeFrequencies, nn.Module):
         if cache.num_layers != self.num_cache_layers():
             raise ValueError(f"cache has {cache.num_layers} layers, the head {self.num_cache_layers()}")
         emb = self.embed_tokens(input_ids)  # (B, T, H)
-        li = block_inputs(self, cache, T, dtype, position_ids, tree_mask, input_lens, kv_len, block)
+        li = block_inputs(self, cache, T, dtype, where)
         # the casts are skipped, not made no-ops: a no-op cast is still an op call
         return (emb if emb.dtype == dtype else emb.to(dtype)), (hidden if hidden.dtype == dtype else hidden.to(dtype)), li
 
@@ -363,8 +363,8 @@ class EagleHead(_DraftHead):
             returns DraftOutput(logits [B, T, V], hidden [B, T, H])
         NaN in ``hidden`` propagates to the outputs of the rows that attend to it.
         """
-        emb, hidden, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                 kv_len, (self.config.hidden_size,), block)
+        where = BlockPlacement(position_ids, tree_mask, input_lens, kv_len, block)
+        emb, hidden, blk = self._embed_and_block(input_ids, hidden, cache, where, (self.config.hidden_size,))
         x = self.fc(torch.cat((emb, hidden), dim=-1))  # (B, T, H)
         for i, layer in enumerate(self.layers):
             x = layer(x, blk, cache, i)
@@ -485,8 +485,8 @@ class Eagle3Head(_DraftHead):
             returns DraftOutput(logits [B, T, Vd], hidden [B, T, H] before the final norm)
         """
         H, Ht = self.config.hidden_size, self.target_hidden_size
-        emb, feature, blk = self._embed_and_block(input_ids, hidden, cache, position_ids, tree_mask, input_lens,
-                                                  kv_len, (H, 3 * Ht), block)
+        where = BlockPlacement(position_ids, tree_mask, input_lens, kv_len, block)
+        emb, feature, blk = self._embed_and_block(input_ids, hidden, cache, where, (H, 3 * Ht))
         if feature.shape[-1] != H:
             feature = self.fc(feature)
         x = self.midlayer(emb, feature, blk, cache)

@@ -38,6 +38,22 @@ class LayerInputs:
     bias: Tensor
 
 
+@dataclass   # plain like LayerInputs: built inside every (possibly compiled) forward, read only
+class BlockPlacement:
+    """Where a forward's new block sits and what it attends to: the forward's keywords, gathered once.
+
+    Shape: position_ids [B, T] or None; tree_mask [B, T, S] bool or None; input_lens [B] or None.
+    ``kv_len``: host int or None. ``block``: one call's entry of ``chain_block_inputs``, which fixes the
+    positions, the mask and the keys itself, so it comes alone (``block_inputs``).
+    """
+
+    position_ids: Tensor | None = None
+    tree_mask: Tensor | None = None
+    input_lens: Tensor | None = None
+    kv_len: int | None = None
+    block: LayerInputs | None = None
+
+
 def build_attention_mask(lengths: Tensor, num_new: int, kv_len: int, tree_mask: Tensor | None = None,
                          input_lens: Tensor | None = None, n_rep: int = 1) -> Tensor:
     """Boolean attention mask for a new block of ``num_new`` tokens written after the committed rows.
@@ -120,9 +136,9 @@ def _bias_values(dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tens
     return (torch.zeros((), dtype=dtype, device=device), torch.full((), float("-inf"), dtype=dtype, device=device))
 
 
-def check_block_args(input_ids: Tensor, cache: KVCache, position_ids: Tensor | None, tree_mask: Tensor | None,
-                     input_lens: Tensor | None, kv_len: int | None, device: torch.device) -> None:
+def check_block_args(input_ids: Tensor, cache: KVCache, where: BlockPlacement, device: torch.device) -> None:
     """Shape/dtype/device checks for a forward over a new block (host-side metadata only, no sync)."""
+    position_ids, tree_mask, input_lens, kv_len = where.position_ids, where.tree_mask, where.input_lens, where.kv_len
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be an int32/int64 tensor [B, T], got {input_ids.dtype} {tuple(input_ids.shape)}")
     B, T = input_ids.shape
@@ -228,13 +244,14 @@ def chain_block_inputs(module: RopeFrequencies, cache: KVCache, num_calls: int, 
 
 
 def block_inputs(module: RopeFrequencies, cache: KVCache, num_new: int, dtype: torch.dtype,
-                 position_ids: Tensor | None, tree_mask: Tensor | None, input_lens: Tensor | None,
-                 kv_len: int | None, block: LayerInputs | None) -> LayerInputs:
-    """``block`` (one call's entry of ``chain_block_inputs``) when given, else ``prepare_block``'s inputs.
+                 where: BlockPlacement) -> LayerInputs:
+    """``where.block`` (one call's entry of ``chain_block_inputs``) when given, else ``prepare_block``'s inputs.
 
     A given block already fixes the positions, the mask and the keys, so it comes alone: with
     ``position_ids``, ``tree_mask``, ``input_lens`` or ``kv_len``, or for more than one token, ValueError.
     """
+    position_ids, tree_mask, input_lens, kv_len, block = (
+        where.position_ids, where.tree_mask, where.input_lens, where.kv_len, where.block)
     if block is None:
         return prepare_block(module, cache, num_new, dtype, position_ids, tree_mask, input_lens, kv_len)
     if not isinstance(block, LayerInputs):

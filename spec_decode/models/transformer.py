@@ -25,7 +25,7 @@ from spec_decode.models.config import IGNORED_CHECKPOINT_SUFFIXES, ModelConfig
 from spec_decode.models.rope import RopeFrequencies
 from spec_decode.models.kv_cache import KVCache
 from spec_decode.models.layers import DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan
-from spec_decode.models.masks import LayerInputs, block_inputs, chain_block_inputs, check_block_args
+from spec_decode.models.masks import BlockPlacement, LayerInputs, block_inputs, chain_block_inputs, check_block_args
 
 
 @dataclass
@@ -134,7 +134,8 @@ class Transformer(RopeFrequencies, nn.Module):
         ``block``: one call's inputs from ``chain_block_inputs`` instead of positions, mask and ``kv_len``
         (``block_inputs``).
         """
-        check_block_args(input_ids, cache, position_ids, tree_mask, input_lens, kv_len, self.device)
+        where = BlockPlacement(position_ids, tree_mask, input_lens, kv_len, block)
+        check_block_args(input_ids, cache, where, self.device)
         L = self.config.num_hidden_layers
         for i in aux_layers:
             if not 0 <= i < L:
@@ -142,8 +143,7 @@ class Transformer(RopeFrequencies, nn.Module):
         if cache.num_layers != L:
             raise ValueError(f"cache has {cache.num_layers} layers, the model {L}")
         x = self.embed_tokens(input_ids)  # (B, T, H)
-        li = block_inputs(self, cache, input_ids.shape[1], x.dtype, position_ids, tree_mask, input_lens, kv_len,
-                          block)
+        li = block_inputs(self, cache, input_ids.shape[1], x.dtype, where)
         aux: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, li, cache, i)

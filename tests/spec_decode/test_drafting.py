@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from spec_decode.drafting import ancestor_mask
+from spec_decode.drafting import TreeRoot, TreeShape, ancestor_mask
 
 
 def _naive_ancestors(parents: list[int]) -> list[list[bool]]:
@@ -119,8 +119,7 @@ def test_incremental_drafting_builds_the_same_trees_as_a_full_recompute(tmp_path
         root = torch.tensor([7, 11])
         steps, k, n = shape
         ref = _reference_draft_tree(drafter, cache, root, first_logits, first_hidden, steps, k, n)
-        new = draft_tree(drafter, cache, root, first_logits, first_hidden, num_steps=steps, topk=k,
-                         num_draft_tokens=n, kv_len=6)
+        new = draft_tree(drafter, cache, TreeRoot(root, first_logits, first_hidden), TreeShape(steps, k, n), kv_len=6)
     assert torch.equal(new.tokens, ref.tokens) and torch.equal(new.parents, ref.parents)
     assert torch.equal(new.depth, ref.depth)
     assert torch.equal(new.tree_mask, ref.tree_mask)
@@ -151,13 +150,13 @@ def test_sampled_trees_keep_draw_order_prefixes_and_carry_q(tmp_path):
         cache = head.new_cache(4, 64)
         hidden, feedback = head.draft_forward(prompts, head.features(out), cache)
         cache.commit(torch.full((4,), 6))
-        args = (head, cache, torch.full((4,), 7), head.compute_logits(hidden[:, -1]), feedback[:, -1])
-        shape = dict(num_steps=4, topk=3, num_draft_tokens=9)
+        args = (head, cache, TreeRoot(torch.full((4,), 7), head.compute_logits(hidden[:, -1]), feedback[:, -1]))
+        shape = TreeShape(num_steps=4, topk=3, num_draft_tokens=9)
         sampled = torch.tensor([True, False, True, False])
         gens = [torch.Generator().manual_seed(s) for s in range(4)]
-        tree = draft_tree(*args, **shape, kv_len=6, sampling=DraftSampling(
+        tree = draft_tree(*args, shape, kv_len=6, sampling=DraftSampling(
             sampled, torch.ones(4), None, None, gens))
-        greedy = draft_tree(*args, **shape, kv_len=6)
+        greedy = draft_tree(*args, shape, kv_len=6)
     for r in (1, 3):
         assert torch.equal(tree.tokens[r], greedy.tokens[r]) and torch.equal(tree.parents[r], greedy.parents[r])
     budget = sampled_depth_budget(4, 3, 9)
@@ -211,8 +210,8 @@ def test_chain_drafting_restores_the_committed_lengths_when_a_drafter_call_fails
         cache.commit(torch.tensor([6]))
         drafter.compute_logits = failing_logits
         with pytest.raises(RuntimeError, match="drafter failed"):
-            draft_tree(drafter, cache, torch.tensor([7]), real_logits(hidden[:, -1]), hidden[:, -1], num_steps=4,
-                       topk=1, num_draft_tokens=5, kv_len=6)
+            draft_tree(drafter, cache, TreeRoot(torch.tensor([7]), real_logits(hidden[:, -1]), hidden[:, -1]),
+                       TreeShape(num_steps=4, topk=1, num_draft_tokens=5), kv_len=6)
     assert len(calls) == 2
     assert torch.equal(cache.lengths, torch.tensor([6]))
 
@@ -225,8 +224,8 @@ def _three_rows_after_a_prompt(tmp_path, kind: str) -> tuple:
     cache = drafter.new_cache(3, 64)
     hidden, feedback = drafter.draft_forward(prompts, drafter.features(out), cache)
     cache.commit(torch.tensor([6, 6, 6]))
-    return (drafter, cache, torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
-            None if feedback is None else feedback[:, -1])
+    return (drafter, cache, TreeRoot(torch.tensor([7, 11, 13]), drafter.compute_logits(hidden[:, -1]),
+                                     None if feedback is None else feedback[:, -1]))
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "draft_model"])
@@ -246,8 +245,8 @@ def test_chain_fast_path_builds_the_pool_paths_tree(tmp_path, kind, rows):
             return DraftSampling(torch.tensor(sampled), torch.tensor([0.7, 1.0, 1.3]), None, None, gens,
                                  all_sampled=all(sampled))
 
-        fast = draft_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6, sampling=sampling())
-        ref = _draft_pool_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6, sampling=sampling())
+        fast = draft_tree(*args, TreeShape(4, 1, 5), kv_len=6, sampling=sampling())
+        ref = _draft_pool_tree(*args, TreeShape(4, 1, 5), kv_len=6, sampling=sampling())
     for name in ("tokens", "parents", "depth", "tree_mask"):
         assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert (fast.max_depth, fast.max_children) == (ref.max_depth, ref.max_children)
@@ -269,8 +268,7 @@ def test_chain_drafting_without_prepare_chain_builds_the_same_tree(tmp_path, kin
             gens = [torch.Generator().manual_seed(s) for s in range(3)]
             sampling = DraftSampling(torch.tensor([True, False, True]), torch.tensor([0.7, 1.0, 1.3]), None, None,
                                      gens)
-            trees.append(draft_tree(d, *args[1:], num_steps=4, topk=1, num_draft_tokens=5, kv_len=6,
-                                    sampling=sampling))
+            trees.append(draft_tree(d, *args[1:], TreeShape(4, 1, 5), kv_len=6, sampling=sampling))
             assert torch.equal(cache.lengths, torch.tensor([6, 6, 6]))   # nothing speculative was committed
     assert torch.equal(trees[0].tokens, trees[1].tokens)
     assert torch.equal(trees[0].draft_probs, trees[1].draft_probs)
@@ -283,22 +281,19 @@ def test_a_cold_score_temperature_keeps_the_chain_of_first_choices(tmp_path, kin
     from spec_decode.drafting import draft_tree
     with torch.no_grad():
         args = _three_rows_after_a_prompt(tmp_path, kind)
-        chain = draft_tree(*args, num_steps=4, topk=1, num_draft_tokens=5, kv_len=6)
-        cold = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6, score_temperature=1e-4)
-        eagle2 = draft_tree(*args, num_steps=4, topk=2, num_draft_tokens=5, kv_len=6)
+        chain = draft_tree(*args, TreeShape(4, 1, 5), kv_len=6)
+        cold = draft_tree(*args, TreeShape(4, 2, 5, score_temperature=1e-4), kv_len=6)
+        eagle2 = draft_tree(*args, TreeShape(4, 2, 5), kv_len=6)
     assert torch.equal(cold.tokens, chain.tokens) and torch.equal(cold.parents, chain.parents)
     assert torch.equal(cold.depth, chain.depth) and torch.equal(cold.tree_mask, chain.tree_mask)
     assert not torch.equal(eagle2.parents, chain.parents)   # random drafters are unsure: siblings win at 1.0
 
 
 @pytest.mark.parametrize("value", [0, -0.5, float("nan"), float("inf"), "0.5", True])
-def test_draft_tree_rejects_a_bad_score_temperature(tmp_path, value):
-    from spec_decode.drafting import draft_tree
-    target, drafter = _target_and_drafter(tmp_path, "eagle")
-    cache = drafter.new_cache(1, 16)
+def test_draft_tree_rejects_a_bad_score_temperature(value):
+    """``draft_tree`` takes its score temperature in a ``TreeShape``, which checks it."""
     with pytest.raises(ValueError, match="score_temperature"):
-        draft_tree(drafter, cache, torch.tensor([7]), torch.zeros(1, drafter.draft_vocab_size), torch.zeros(1, 32),
-                   num_steps=2, topk=2, num_draft_tokens=4, score_temperature=value)
+        TreeShape(num_steps=2, topk=2, num_draft_tokens=4, score_temperature=value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -426,14 +426,14 @@ class _FakeDecoder:
 
 
 def test_profile_split_is_exact_on_a_fake_decoder():
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafter(clock, 0.25)
     dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
     own_timer = dec.phase_timer
-    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    split = profile_split(dec, ar, drafter, Workload([[1, 2], [3]], 4), phases=PHASES, clock=clock)
     # per step: drafting 1 + 2 calls x 0.25; one ar step = 2.0
     assert split["ar_step_ms"] == pytest.approx(2000.0)
     assert split["ar_steps"] == pytest.approx({"drafting": 0.75, "verify_forward": 1.5, "verify_walk": 0.25,
@@ -447,18 +447,18 @@ def test_profile_split_is_exact_on_a_fake_decoder():
     assert "draft_forward" not in vars(drafter)   # and the drafter's own method back
     # a drafter the decoder never calls is an error, not a split without drafter calls
     with pytest.raises(RuntimeError, match="never called drafter.draft_forward"):
-        profile_split(dec, ar, _FakeDrafter(clock, 0.25), [[1]], 4, phases=PHASES, clock=clock)
+        profile_split(dec, ar, _FakeDrafter(clock, 0.25), Workload([[1]], 4), phases=PHASES, clock=clock)
 
 
 def test_profile_splits_each_steps_catch_up_from_its_later_calls():
     """A step's first drafter call (the catch-up after the verify forward) is timed apart from the rest."""
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafter(clock, 0.0, costs=(0.5, 0.25))   # two calls per step: catch-up 0.5, then 0.25
     dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
-    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    split = profile_split(dec, ar, drafter, Workload([[1, 2], [3]], 4), phases=PHASES, clock=clock)
     assert split["catch_up_call_ms"] == pytest.approx(500.0)
     assert split["catch_up_call_ar_steps"] == pytest.approx(0.25)
     assert split["draft_call_ms"] == pytest.approx(250.0)
@@ -467,14 +467,14 @@ def test_profile_splits_each_steps_catch_up_from_its_later_calls():
 
 
 def test_profile_splits_each_requests_prompt_catch_up_from_the_other_catch_ups():
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     clock = _FakeClock()
     # per generate call: step 1's catch-up (the prompt) 1.0, a later call, step 2's catch-up 0.5, a later call
     drafter = _FakeDrafter(clock, 0.0, costs=(1.0, 0.25, 0.5, 0.25))
     dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
-    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    split = profile_split(dec, ar, drafter, Workload([[1, 2], [3]], 4), phases=PHASES, clock=clock)
     assert split["prompt_catch_up_call_ms"] == pytest.approx(1000.0)
     assert split["prompt_catch_up_call_ar_steps"] == pytest.approx(0.5)
     assert split["step_catch_up_call_ms"] == pytest.approx(500.0)
@@ -510,13 +510,13 @@ class _FakeDecoderWithLogits(_FakeDecoder):
 def test_profile_splits_the_drafters_logits_from_its_calls_and_the_rest(nested):
     """Drafting = drafter calls + their logits + the rest (sampling, bookkeeping); logits that a forward
     computes inside its own call stay forward time, never counted twice."""
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafterWithLogits(clock, 0.25, logits_cost=0.125, nested=nested)
     dec, ar = _FakeDecoderWithLogits(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
-    split = profile_split(dec, ar, drafter, [[1, 2], [3]], 4, phases=PHASES, clock=clock)
+    split = profile_split(dec, ar, drafter, Workload([[1, 2], [3]], 4), phases=PHASES, clock=clock)
     call = 0.25 + (0.125 if nested else 0.0)   # a nested logits call is part of its forward
     # per step: drafting 1 (the rest) + 2 calls + 2 logits of 0.125 outside them
     assert split["drafter_call_ms"] == pytest.approx(call * 1e3)
@@ -544,13 +544,13 @@ def test_phase_clock_counts_nested_phases_once():
 
 
 def test_profile_needs_the_public_hook():
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
 
     class NoHook:
         pass
 
     with pytest.raises(TypeError, match="phase_timer"):
-        profile_split(NoHook(), NoHook(), None, [[1]], 2, phases=("drafting",))
+        profile_split(NoHook(), NoHook(), None, Workload([[1]], 2), phases=("drafting",))
 
 
 def test_the_cprofile_pass_runs_at_the_splits_temperature():
@@ -594,11 +594,11 @@ def _recording_decoders(fake_fixtures, **kw):
 
 def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
     """Every profiled step has the configured depth (no last step trimmed to the tokens left)."""
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     dec, ar, stats = _recording_decoders(fake_fixtures)
-    split = profile_split(dec, ar, dec.drafter, [[1, 2, 3]], 5, phases=PHASES)
+    split = profile_split(dec, ar, dec.drafter, Workload([[1, 2, 3]], 5), phases=PHASES)
     assert {d for st in stats for d in st.depths} == {3} and split["drafter_calls_per_step"] == pytest.approx(3.0)
     assert dec.trim_last_steps is True
     dec.generate([[1, 2, 3]], max_new_tokens=5, ignore_eos=True)   # every token is an EOS here
@@ -607,7 +607,7 @@ def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
 
 def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
     """A decoder with lookup_ngram is profiled without lookup steps (none of them calls the drafter)."""
-    from spec_decode.bench.profile_step import profile_split
+    from spec_decode.bench.profile_step import Workload, profile_split
     from spec_decode.pipeline import PHASES
 
     dec, ar, stats = _recording_decoders(fake_fixtures, lookup_ngram=1)
@@ -615,7 +615,7 @@ def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
     dec.generate([prompt], max_new_tokens=5, ignore_eos=True)
     assert dec.last_stats.lookup[0]
     stats.clear()
-    split = profile_split(dec, ar, dec.drafter, [prompt], 5, phases=PHASES)
+    split = profile_split(dec, ar, dec.drafter, Workload([prompt], 5), phases=PHASES)
     assert stats and not any(f for st in stats for f in st.lookup)
     assert split["drafter_calls_per_step"] == pytest.approx(3.0)
     assert dec.lookup_ngram == 1
