@@ -74,6 +74,19 @@ def _no_timer(name: str) -> ContextManager:
     return contextlib.nullcontext()
 
 
+def prepare_models(modules, *, batch_invariant: bool | None, compile: bool) -> None:
+    """Switch the models' batch-invariant routes (None: leave them as they are, on for CPU unless switched
+    off) and compile their forwards in place when ``compile``; None entries are skipped."""
+    if not isinstance(compile, bool):
+        raise ValueError(f"compile must be True or False, got {compile!r}")
+    for module in modules:
+        if module is not None and batch_invariant is not None:
+            set_batch_invariant(module, batch_invariant)
+    for module in modules:
+        if module is not None and compile:
+            compile_in_place(module)
+
+
 class SpecDecoder:
     """Speculative decoder over a target model and an optional drafter.
 
@@ -81,17 +94,10 @@ class SpecDecoder:
     can share one target). ``method``: ``"eagle"`` (EAGLE-1/2 head), ``"eagle3"``, ``"draft_model"``
     (a plain small LM) or ``"none"`` (autoregressive baseline, same model and cache). Trees:
     ``num_steps`` drafting depth (``"auto"``: ``DepthController`` picks it per step), ``topk``
-    children per expanded node, ``num_draft_tokens`` tree nodes including the root; ``topk=1`` and
-    ``num_draft_tokens=num_steps+1`` is a chain. ``draft_sampling``: ``"auto"``, ``"greedy"``,
-    ``"sampled"`` or ``"coupled"`` (a seeded request's tokens then depend on its prompt, parameters
-    and seed alone). ``tree_score_temperature``: how greedy trees rank candidates.
-    ``lookup_ngram`` and ``lookup_tokens``: steps that verify drafts copied from the requests'
-    contexts. ``batch_invariant``: each row of every forward in one fixed order (on by default on
-    CPU). ``compile``: the models' forwards compiled in place; the NaN pass, sampling and
-    verification stay eager.
-
-    Each setting, its default and what it guarantees: docs/spec_decode.md (Loading, Tree shapes and
-    their defaults, Drafting and verification, Lookup steps, ``compile=True``).
+    children per expanded node, ``num_draft_tokens`` tree nodes including the root (``topk=1`` and
+    ``num_draft_tokens=num_steps+1``: a chain). Each setting, its default and what it guarantees:
+    docs/spec_decode.md (Loading, Tree shapes and their defaults, Drafting and verification, Lookup
+    steps, ``compile=True``).
 
     Attributes: ``trim_last_steps`` (True by default: a step of greedy or coupled requests never
     drafts deeper than the batch can still use), ``phase_timer`` (a callable ``name -> context
@@ -126,15 +132,7 @@ class SpecDecoder:
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
-        if batch_invariant is not None:   # None: the models as they are (batch invariant on CPU unless switched off)
-            for module in (target, drafter):
-                if module is not None:
-                    set_batch_invariant(module, batch_invariant)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False, got {compile!r}")
-        if compile:
-            for module in (target, drafter):
-                compile_in_place(module)
+        prepare_models((target, drafter), batch_invariant=batch_invariant, compile=compile)
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, *, method: str = "eagle",

@@ -71,6 +71,12 @@ EXEMPT_PARAMETERS = {
     "samplers:coupled_scores": "the keywords of coupled_sample, plus the token ids of a reduced draft vocabulary",
     "samplers:tree_verify": "FlashInfer's chain_speculative_sampling and sampling keywords (draft_probs, "
                             "generator, temperature/top_k/top_p/min_p) plus the tree's bounds",
+    "spec_decode:Transformer.forward": "the public model call: Hugging Face forward's keywords (input ids, cache, "
+                                       "position_ids, input_lens as the attention mask's lengths, tree_mask, "
+                                       "kv_len, aux_layers, return_logits) plus block, which must enter through "
+                                       "__call__ so that compile=True compiles chain drafting too",
+    "spec_decode:EagleHead.forward": "the drafter's model call, Transformer.forward's keywords with the feature",
+    "spec_decode:Eagle3Head.forward": "the drafter's model call, Transformer.forward's keywords with the feature",
 }
 """Functions allowed more than ``MAX_PARAMETERS`` parameters, as ``"<package>:<qualified name>"`` (a move
 inside the package keeps the entry), each with why its signature is wide."""

@@ -13,7 +13,7 @@ Subcommands (``spec-bench [SUBCOMMAND] [OPTIONS]``, or ``python -m spec_decode.b
   and names the best shape per temperature (``spec_decode.bench.tune``).
 
 The JSON layout is a contract for scripts; it is pinned in ``docs/bench.md`` and checked by
-``tests/spec_decode/test_bench.py``.
+``tests/spec_decode/bench/test_bench.py``.
 """
 
 from spec_decode.bench.cli import main
