@@ -11,7 +11,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.safespec-sglang-installed
 
-.PHONY: venv test test-fast test-fp16 test-sglang demo bench bench-smollm2 bench-numerics fixtures fixtures-measure clean
+.PHONY: venv test test-fast test-fp16 test-sglang demo bench bench-smollm2 bench-numerics fixtures smollm2-heads fixtures-measure clean
 
 $(STAMP): pyproject.toml requirements/smollm2.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ demo: $(STAMP)
 # background; rerun the same command after an interruption). ARGS="--max-minutes 60" stops cleanly.
 fixtures: $(STAMP)
 	$(PY) fixtures/make_fixtures.py $(ARGS)
+
+# The real model's EAGLE-3 head (docs/fixtures.md): every stage, resumable, one thread; rerun the
+# same command after an interruption. ARGS="--max-minutes 150" stops cleanly.
+smollm2-heads: $(STAMP)
+	$(PY) fixtures/make_smollm2_heads.py all --threads 1 $(ARGS)
 
 # The fixtures' goal table (issue #14), measured on fixtures/models.
 fixtures-measure: $(STAMP)

@@ -43,6 +43,21 @@ def test_head_methods_join_only_where_their_heads_exist(tmp_path):
     assert default_methods(tmp_path / "none", tmp_path / "none") == ("ar", "lookup", "hf_generate", "hf_lookup")
     (tmp_path / "e").mkdir()
     assert default_methods(tmp_path / "e", tmp_path / "none")[-2:] == ("eagle_chain", "eagle_lookup")
+    assert default_methods(tmp_path / "none", tmp_path / "e")[-3:] == ("eagle3_chain", "eagle3_lookup", "eagle3_tree")
+
+
+def test_profile_suite_points_at_the_real_models_heads_unless_told_otherwise(smollm2_dir, tmp_path):
+    from spec_decode.bench import profile_step
+    from spec_decode.bench.suites import smollm2_heads
+
+    p = profile_step.build_parser()
+    args = p.parse_args(["--suite", "smollm2"])
+    profile_step._use_smollm2(p, args)
+    assert (args.eagle, args.eagle3) == (smollm2_heads()["eagle"], smollm2_heads()["eagle3"])
+    assert args.target == smollm2_dir
+    args = p.parse_args(["--suite", "smollm2", "--eagle3", str(tmp_path)])
+    profile_step._use_smollm2(p, args)
+    assert args.eagle3 == tmp_path
 
 
 def test_suite_without_the_extra_exits_2_naming_it(monkeypatch, tmp_path, capsys):
