@@ -32,7 +32,8 @@ class Linear(nn.Linear):
       (``set_panel_linears``) turns this route off too.
     * **bf16 on a CPU where oneDNN runs bf16** (``onednn_bf16_native``): every projection uses its
       weight packed once for oneDNN (``F.linear`` lays it out again on every call). Bit-identical to
-      ``F.linear`` (tested over shapes, batch sizes and biases).
+      ``F.linear`` without AMX (tested over shapes, batch sizes and biases); on AMX (``amx_bf16``),
+      over two rows or more, a few outputs can be one bf16 ulp off it.
     * **fp32 and bf16 on AVX2 CPUs**, up to ``cpu_gemm.max_rows`` rows: ``cpu_gemm.PanelWeight``, a
       panel-packed FMA kernel in float32 (bf16 inputs widen exactly and the result rounds to bf16
       once; a bf16 layer's panels stay bf16, the same bits from half the bytes). Its outputs sum in k

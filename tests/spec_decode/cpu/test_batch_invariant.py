@@ -13,7 +13,8 @@ attention runs ``spec_decode.cpu.attention``, so on the shipped tiny models:
   float32, and bf16 prompt lookup against ``ar``.
 
 The mutants: the old routes (``batch_invariant=False``) on a CPU whose oneDNN runs bf16 natively,
-where the issue found them, fail the same checks.
+where the issue found them, fail the same checks: the logits' bits there, and the issue's token repros
+on such a CPU without AMX, the kind it was found on.
 """
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ DTYPES = [torch.bfloat16, torch.float32]
 PROMPT_LEN, BLOCK, NEW = 40, 6, 32
 OLD_ROUTES_VARY = pytest.mark.skipif(not onednn_bf16_native(), reason="the old routes are checked where the issue "
                                      "found them vary: oneDNN's native bf16 (avx512_bf16)")
+
+
+def _cpu_has_amx() -> bool:
+    """True when /proc/cpuinfo's flags include ``amx_bf16`` (oneDNN then runs bf16 on AMX tiles)."""
+    try:
+        return "amx_bf16" in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
+# Whether the old routes' bit differences reach a greedy token depends on the prompts and on the exact
+# bits, so on the kernels: on a Xeon with AMX the logits still differ (OLD_ROUTES_VARY) but neither these
+# repros nor 11 other pairs of the prompt lines change a token there.
+OLD_ROUTES_FLIP_TOKENS = pytest.mark.skipif(not onednn_bf16_native() or _cpu_has_amx(), reason="the token repros "
+                                            "are checked on the CPU kind issue 50 found them on: oneDNN's native "
+                                            "bf16 without AMX (avx512_bf16, no amx_bf16)")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +162,7 @@ def test_smollm2_bf16_lookup_and_batches_equal_ar_alone(smollm2_dir, prompts):
     assert _smollm2_lookup_equals_ar(smollm2_dir, prompts, None)
 
 
-@OLD_ROUTES_VARY
+@OLD_ROUTES_FLIP_TOKENS
 @pytest.mark.slow
 def test_mutant_smollm2_lookup_with_the_old_routes(smollm2_dir, prompts):
     assert not _smollm2_lookup_equals_ar(smollm2_dir, prompts, False)
@@ -303,6 +320,6 @@ def test_issue_repro_batch_mates_change_no_token(request, safespec_tiny_target_p
         "greedy": False, "coupled": False, "rejection": False}
 
 
-@OLD_ROUTES_VARY
+@OLD_ROUTES_FLIP_TOKENS
 def test_mutant_issue_repro_with_the_old_routes(request, safespec_tiny_target_path, token_lines):
     assert _batch_mates_differ(request, safespec_tiny_target_path, token_lines, False)["greedy"]

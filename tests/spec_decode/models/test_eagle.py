@@ -503,10 +503,15 @@ def test_eagle3_bias_flag_and_fc_bias_key_must_agree(target, tmp_path):
 # sha256 (first 16 hex) of the shipped head's outputs, torch 2.13.0 on CPU, recorded when the head was
 # retrained with the v2d recipe (issue #14: unit-RMS aux channels folded into fc, lm_head and norm started
 # from the target's, a 1,536-wide MLP; re-recorded for its 4,800-step retrain), with the code of that
-# commit, on a 2-core AVX-512 EPYC with avx512_bf16. Bits depend on the CPU's kernels: there fp32
+# commit, on a 2-core AVX-512 EPYC with avx512_bf16 (Zen 4, no AMX). Bits depend on the CPU's kernels: there fp32
 # projections of 1,024+ outputs over 2+ rows run packed through oneDNN (spec_decode.cpu.Linear), which
 # AVX2 CPUs do not use, and AVX2 emulates bf16 matmuls; this head's AVX2 bits are not recorded, so there
-# only the reference comparison is checked.
+# only the reference comparison is checked. On a Xeon with AMX (amx_bf16) oneDNN dispatches other
+# kernels (AMX tiles for bf16), so the fastest routes' bits differ: recorded as "avx512_bf16+amx", with
+# the same code and torch on a 2-core Xeon. The batch-invariant fp32 bits differ there too, though the
+# panel kernel is built without -march=native (per-function target attributes, the same bits on AVX2
+# and AVX-512): the rest of that forward is torch's own CPU kernels (norms, rotary, softmax); this
+# difference was observed, not traced to one op. The batch-invariant bf16 bits are the same on both.
 SHIPPED_EAGLE3_CHECKSUMS = {   # (CPU kind, batch-invariant routes, dtype): the fastest routes, then the default
     ("avx512_bf16", False, torch.float32): {"fuse": "00027d925d44d9d4", "logits": "551e256a713e3e7c",
                                             "hidden": "441f94b0f2f17ca2"},
@@ -516,14 +521,33 @@ SHIPPED_EAGLE3_CHECKSUMS = {   # (CPU kind, batch-invariant routes, dtype): the 
                                            "hidden": "95ea84a78ecb31ff"},
     ("avx512_bf16", True, torch.bfloat16): {"fuse": "2379cf02314fb215", "logits": "55b3b125fb2d4dda",
                                             "hidden": "18c451e79d416a34"},
+    ("avx512_bf16+amx", False, torch.float32): {"fuse": "f0c43b9a8541ee46", "logits": "c34c0cbe69e41eb4",
+                                                "hidden": "521af803f99b247e"},
+    ("avx512_bf16+amx", False, torch.bfloat16): {"fuse": "f00aaf5559e4952c", "logits": "8391649b089542b5",
+                                                 "hidden": "1095a7885b7036be"},
+    ("avx512_bf16+amx", True, torch.float32): {"fuse": "f4f4da88a58b708c", "logits": "b143dc1c16226ddc",
+                                               "hidden": "4868870c5ce77786"},
+    ("avx512_bf16+amx", True, torch.bfloat16): {"fuse": "2379cf02314fb215", "logits": "55b3b125fb2d4dda",
+                                                "hidden": "18c451e79d416a34"},
 }
 
 
+def _cpu_has_amx() -> bool:
+    """True when /proc/cpuinfo's flags include ``amx_bf16`` (oneDNN then runs bf16 on AMX tiles)."""
+    try:
+        return "amx_bf16" in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
 def _cpu_kernel_kind() -> str:
-    """The CPU kind for recorded bits: "avx512_bf16" (native bf16), else torch's capability ("AVX2", ...)."""
+    """The CPU kind for recorded bits: "avx512_bf16+amx" (native bf16 with AMX), "avx512_bf16" (native bf16
+    without), else torch's capability ("AVX2", ...)."""
     from spec_decode.dtypes import cpu_has_native_bf16
 
-    return "avx512_bf16" if cpu_has_native_bf16() else torch.backends.cpu.get_cpu_capability()
+    if not cpu_has_native_bf16():
+        return torch.backends.cpu.get_cpu_capability()
+    return "avx512_bf16+amx" if _cpu_has_amx() else "avx512_bf16"
 
 
 def _sha16(t):
