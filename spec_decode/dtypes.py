@@ -67,16 +67,27 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU flags include ``avx512_bf16`` or ``amx_bf16`` (Linux ``/proc/cpuinfo``;
-    ``cpuinfo`` replaces the file's text). Elsewhere bf16 matmuls run emulated, in fp32 units."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's flags from Linux ``/proc/cpuinfo`` (``cpuinfo`` replaces the file's text); empty elsewhere."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return False
+            return set()
     flags = set()
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[-1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return flags
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU flags include ``avx512_bf16`` or ``amx_bf16`` (``cpu_flags``). Elsewhere bf16
+    matmuls run emulated, in fp32 units."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """True when the CPU flags include ``amx_bf16``: oneDNN then runs bf16 matmuls on AMX tiles, whose
+    bits differ from its AVX-512 kernels'."""
+    return "amx_bf16" in cpu_flags(cpuinfo)

@@ -23,6 +23,7 @@ import torch
 
 from spec_decode import SpecDecoder
 from spec_decode.cpu import Linear, cpu_gemm, onednn_bf16_native
+from spec_decode.dtypes import cpu_has_amx
 from spec_decode.models import Attention, KVCache, Transformer, set_batch_invariant
 from spec_decode.models.layers import MLP
 
@@ -35,18 +36,10 @@ OLD_ROUTES_VARY = pytest.mark.skipif(not onednn_bf16_native(), reason="the old r
                                      "found them vary: oneDNN's native bf16 (avx512_bf16)")
 
 
-def _cpu_has_amx() -> bool:
-    """True when /proc/cpuinfo's flags include ``amx_bf16`` (oneDNN then runs bf16 on AMX tiles)."""
-    try:
-        return "amx_bf16" in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
-
-
 # Whether the old routes' bit differences reach a greedy token depends on the prompts and on the exact
 # bits, so on the kernels: on a Xeon with AMX the logits still differ (OLD_ROUTES_VARY) but neither these
 # repros nor 11 other pairs of the prompt lines change a token there.
-OLD_ROUTES_FLIP_TOKENS = pytest.mark.skipif(not onednn_bf16_native() or _cpu_has_amx(), reason="the token repros "
+OLD_ROUTES_FLIP_TOKENS = pytest.mark.skipif(not onednn_bf16_native() or cpu_has_amx(), reason="the token repros "
                                             "are checked on the CPU kind issue 50 found them on: oneDNN's native "
                                             "bf16 without AMX (avx512_bf16, no amx_bf16)")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spec_decode.dtypes import cpu_has_amx
 from spec_decode.models import Transformer
 
 from tiny_models import make_tiny_target
@@ -26,14 +27,6 @@ def _packable_linear(out_f: int, in_f: int, bias: bool, seed: int = 0):
     return lin
 
 
-def _cpu_has_amx() -> bool:
-    """True when /proc/cpuinfo's flags include ``amx_bf16``."""
-    try:
-        return "amx_bf16" in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
-
-
 def _assert_matches_bf16_f_linear(got, x, lin):
     """``Linear``'s bf16 result against ``F.linear``'s: the same bits where oneDNN runs bf16 natively without
     AMX, on AMX on one row, or on one row without the panel kernel; elsewhere (a float32 copy of the
@@ -46,7 +39,7 @@ def _assert_matches_bf16_f_linear(got, x, lin):
     want = F.linear(x, lin.weight, lin.bias)
     assert torch.equal(got.isnan(), want.isnan())
     one_row = x.numel() == x.shape[-1]
-    if (onednn_bf16_native() and (one_row or not _cpu_has_amx())) or (one_row and not panel_gemm_pays()):
+    if (onednn_bf16_native() and (one_row or not cpu_has_amx())) or (one_row and not panel_gemm_pays()):
         assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
         return
     assert got.dtype == want.dtype == torch.bfloat16

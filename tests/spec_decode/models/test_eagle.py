@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, default_eagle3_aux_layers, load_drafter
 from spec_decode.models import Transformer, apply_rope, rope_cos_sin
+from spec_decode.dtypes import cpu_has_amx
 
 from tiny_models import _head_config, _randomize_, make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
@@ -532,14 +533,6 @@ SHIPPED_EAGLE3_CHECKSUMS = {   # (CPU kind, batch-invariant routes, dtype): the 
 }
 
 
-def _cpu_has_amx() -> bool:
-    """True when /proc/cpuinfo's flags include ``amx_bf16`` (oneDNN then runs bf16 on AMX tiles)."""
-    try:
-        return "amx_bf16" in open("/proc/cpuinfo").read().split()
-    except OSError:
-        return False
-
-
 def _cpu_kernel_kind() -> str:
     """The CPU kind for recorded bits: "avx512_bf16+amx" (native bf16 with AMX), "avx512_bf16" (native bf16
     without), else torch's capability ("AVX2", ...)."""
@@ -547,7 +540,7 @@ def _cpu_kernel_kind() -> str:
 
     if not cpu_has_native_bf16():
         return torch.backends.cpu.get_cpu_capability()
-    return "avx512_bf16+amx" if _cpu_has_amx() else "avx512_bf16"
+    return "avx512_bf16+amx" if cpu_has_amx() else "avx512_bf16"
 
 
 def _sha16(t):
