@@ -206,6 +206,8 @@ def test_agreement_on_the_evaluation_sets(msh, build, shipped_target):
     for prompt_set in ("humaneval", "chat"):
         assert stats[prompt_set]["positions"] == 3 * NEW_TOKENS   # every new token, predicted from before it
         assert 0 <= stats[prompt_set]["step1_agreement"] <= 1
+    entry = json.loads((root / "models" / "MANIFEST.json").read_text())[msh.MANIFEST_KEY]["head"]
+    assert entry["agreement"]["humaneval"] == stats["humaneval"]
     shard = msh.read_shard(root / "work" / "eval-humaneval")
     assert shard["temperatures"].tolist() == [0.0] * 3
     # a head whose lm_head is zero argmaxes draft id 0 everywhere: it agrees exactly where the target's
