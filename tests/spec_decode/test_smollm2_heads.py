@@ -29,7 +29,7 @@ SCRIPT = ROOT / "fixtures" / "make_smollm2_heads.py"
 # little below the values measured when the head shipped (docs/performance.md), so a head or a loader
 # that drafts worse fails
 AGREEMENT_ROWS, AGREEMENT_TOKENS = 8, 64
-AGREEMENT_FLOOR = {"humaneval": None, "chat": None}
+AGREEMENT_FLOOR = {"humaneval": 0.45, "chat": 0.34}
 EAGLE3_METHODS = tuple(k for k in SMOLLM2_HEAD_METHODS if METHOD_SPECS[k].drafter == "eagle3")
 
 
@@ -85,8 +85,8 @@ def test_greedy_equals_ar_in_fp32_for_every_method_with_the_head(smollm2_dir):
 
     lines = {name: smollm2_prompt_file(name).read_text().splitlines() for name in ("humaneval", "chat")}
     prompts = [json.loads(line)["token_ids"] for name in lines for line in lines[name][:2]]
-    cfg = BenchConfig(target=smollm2_dir, eagle3=HEAD, prompts=smollm2_prompt_file("chat"), dtypes=("fp32",),
-                      progress=False)
+    cfg = BenchConfig(target=smollm2_dir, draft_lm=None, eagle=None, eagle3=HEAD, prompts=smollm2_prompt_file("chat"),
+                      dtypes=("fp32",), progress=False)
     models = ModelCache(cfg, "fp32", torch.device("cpu"))
     want = [r.token_ids for r in models.runner(METHOD_SPECS["ar"]).decoder.generate(
         prompts, max_new_tokens=48, ignore_eos=True)]
