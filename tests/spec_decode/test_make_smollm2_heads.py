@@ -8,10 +8,8 @@ bf16 head with its MANIFEST.json entry).
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,27 +18,16 @@ import torch
 
 from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
-from tiny_models import make_tiny_target
+from tiny_models import load_smollm2_heads_script, make_tiny_target
 
 pytestmark = pytest.mark.slow  # the head-building script end to end
 
-SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_smollm2_heads.py"
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
-
-
-def _load_script():
-    name = "make_smollm2_heads"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module   # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
 def msh():
-    return _load_script()
+    return load_smollm2_heads_script()
 
 
 @pytest.fixture(scope="module")

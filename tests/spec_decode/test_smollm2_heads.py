@@ -7,9 +7,7 @@ Skips, naming the extra, only when the smollm2 extra is absent."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +18,12 @@ from spec_decode.bench.methods import ModelCache
 from spec_decode.bench.suites import SMOLLM2_HEAD_METHODS, smollm2_heads
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
 
+from tiny_models import load_smollm2_heads_script
+
 pytestmark = pytest.mark.slow  # the real model
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = smollm2_heads(ROOT / "fixtures")["eagle3"]
-SCRIPT = ROOT / "fixtures" / "make_smollm2_heads.py"
 # teacher-forced step-1 agreement of the shipped head, 8 prompts x 64 greedy tokens per set: floors a
 # little below the values measured when the head shipped (docs/performance.md), so a head or a loader
 # that drafts worse fails
@@ -33,23 +32,13 @@ AGREEMENT_FLOOR = {"humaneval": 0.45, "chat": 0.34}
 EAGLE3_METHODS = tuple(k for k in SMOLLM2_HEAD_METHODS if METHOD_SPECS[k].drafter == "eagle3")
 
 
-def _script():
-    name = "make_smollm2_heads"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module   # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="module")
 def target(smollm2_dir):
     return Transformer.from_pretrained(smollm2_dir, dtype=torch.float32)
 
 
 def test_the_head_ships_in_bf16_with_its_manifest_entry():
-    msh = _script()
+    msh = load_smollm2_heads_script()
     weights = HEAD / "model.safetensors"
     assert weights.stat().st_size < msh.MAX_HEAD_BYTES
     assert json.loads((HEAD / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -71,7 +60,7 @@ def test_the_head_loads_against_the_real_model(target):
 
 @pytest.mark.parametrize("prompt_set", ["humaneval", "chat"])
 def test_step1_agreement_stays_above_its_floor(target, smollm2_dir, tmp_path, prompt_set):
-    msh = _script()
+    msh = load_smollm2_heads_script()
     work = msh.Work(tmp_path, smollm2_dir, HEAD, msh.SEED)
     shard = msh.evaluation_shard(work, target, prompt_set, AGREEMENT_ROWS, AGREEMENT_TOKENS)
     head = load_drafter(HEAD, target, method="eagle3", dtype=torch.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -105,3 +107,15 @@ def make_tiny_eagle3(target: Transformer, path: str | Path | None = None, *, see
     if path is not None:
         head.save_pretrained(path)
     return head
+
+
+def load_smollm2_heads_script():
+    """``fixtures/make_smollm2_heads.py`` as a module (loaded once per process)."""
+    name = "make_smollm2_heads"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "fixtures" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module   # dataclasses look their module up while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
