@@ -106,6 +106,24 @@ def test_a_shard_is_the_same_bits_from_the_seed(build):
         assert (again / "data" / "train-00000" / f"{name}.npy").read_bytes() == a, name
 
 
+def test_data_workers_split_the_shards_and_make_the_same_bits(msh, build):
+    run, root = build
+    split = root / "split"
+    split.mkdir()
+    shutil.copy(root / "work" / "prompts.jsonl", split / "prompts.jsonl")
+    assert run("data", "--shards", "2", "--data-worker", "1/2", work=split) == 0
+    # the plan is heldout, train-0, train-1: worker 1 of 2 takes its second entry only
+    assert sorted(p.name for p in (split / "data").iterdir()) == ["train-00000"]
+    assert run("data", "--shards", "2", "--data-worker", "0/2", work=split) == 0
+    assert sorted(p.name for p in (split / "data").iterdir()) == ["heldout-00000", "train-00000", "train-00001"]
+    for shard in ("heldout-00000", "train-00001"):
+        a = (root / "work" / "data" / shard / "aux.npy").read_bytes()
+        assert (split / "data" / shard / "aux.npy").read_bytes() == a, shard
+    for bad in ("2/2", "x", "1"):
+        with pytest.raises(SystemExit):
+            run("data", "--data-worker", bad, work=split)
+
+
 def test_draft_vocabulary_and_coverage(msh, build):
     _, root = build
     stats = json.loads((root / "work" / "stats" / "vocab.json").read_text())
