@@ -112,7 +112,27 @@ def clean_probs(probs: torch.Tensor, *, zero_rows: str) -> tuple[torch.Tensor, t
     ``zero_rows`` says what a row without positive mass becomes: ``"uniform"`` (target
     rows: every formula downstream stays defined and every id stays in range) or
     ``"zero"`` (draft rows: nothing was proposed, so every draft token there is rejected).
+    Bit for bit :func:`clean_probs_reference`, in arithmetic and reductions only: on CPU,
+    torch's elementwise compares are not vectorised and would dominate a step at T > 0.
     """
+    if probs.shape[-1] == 0:   # no token: every row is without mass, so bad (and there is no min to take)
+        return probs.float().clone(), torch.ones(probs.shape[:-1], dtype=torch.bool, device=probs.device)
+    p = probs.float()
+    # amin and amax propagate NaN: a NaN row fails ``lo >= 0``
+    lo, hi = p.amin(-1), p.amax(-1)
+    bad = ~(lo >= 0) | (hi == float("inf"))
+    p = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0).clamp_(0.0, _PROB_MAX)
+    total = p.sum(-1, keepdim=True)
+    empty = total <= 0
+    bad = bad | empty.squeeze(-1)
+    p = p.div_(torch.where(empty, 1.0, total))
+    # adding 0 turns the -0.0 that clamp keeps into +0.0; an empty row gains its uniform mass
+    fill = empty * (1.0 / p.shape[-1]) if zero_rows == "uniform" else torch.zeros_like(total)
+    return p.add_(fill), bad
+
+
+def clean_probs_reference(probs: torch.Tensor, *, zero_rows: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clean_probs` written plainly, with compares and selects: what the tests hold it to."""
     p = probs.float()
     finite = torch.isfinite(p)
     bad = ~finite.all(-1) | (p < 0).any(-1)

@@ -30,16 +30,19 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     vocab = x.shape[-1]
     temp = params.temperature
-    # one reduction for the row max and its first index (the argmax, NaN included): on CPU an
-    # argmax of its own costs more than the rest of a one-row call's reductions
-    top = x.max(-1, keepdim=True)
-    masked = x <= -SANITIZE_MAX  # [R, V]
-    masked = masked & ~masked.all(-1, keepdim=True)
     # no greedy row (a host fact): no one-hot to build, the same probabilities with five ops fewer
     greedy = None if params.all_sampled else temp <= 0  # [R]
+    # The row max, and where a greedy row needs it its first index (the argmax, NaN included) from the
+    # same reduction: on CPU an argmax of its own costs more than the rest of a one-row call's reductions,
+    # and the max alone (amax) far less than either.
+    top = x.amax(-1, keepdim=True) if greedy is None else x.max(-1, keepdim=True)
+    top_values = top if greedy is None else top.values
+    # Masked tokens, unless the whole row is (then nothing is): the row's threshold is -inf when its
+    # max is masked, and x holds no -inf. One compare over [R, V], not three.
+    masked = x <= torch.where(top_values <= -SANITIZE_MAX, float("-inf"), -SANITIZE_MAX)  # [R, V]
     # Shift by the row max before dividing: the max maps to exactly 0, everything else
     # to <= 0, so a tiny temperature gives -inf tails instead of inf - inf = NaN.
-    z = (x - top.values) / (temp if greedy is None else torch.where(greedy, 1.0, temp)).unsqueeze(-1)
+    z = (x - top_values) / (temp if greedy is None else torch.where(greedy, 1.0, temp)).unsqueeze(-1)
     # A huge temperature maps -1e30 to about -1: re-mask, so masked tokens stay at 0.
     z = z.masked_fill(masked, float("-inf"))
     if params.top_k is not None or params.top_p is not None:

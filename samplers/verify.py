@@ -279,8 +279,10 @@ def _final_token(p, q, num, generator):
     batch, k1, vocab = p.shape
     idx = num.view(batch, 1, 1).expand(batch, 1, vocab)
     p_at = p.gather(1, idx).squeeze(1)  # [B, V]
-    q_pad = torch.cat([q, q.new_zeros(batch, 1, vocab)], 1)  # the bonus position has q = 0
-    q_at = q_pad.gather(1, idx).squeeze(1)
+    if k1 == 1:   # no drafts: the bonus position only, where q = 0
+        q_at = torch.zeros_like(p_at)
+    else:   # the bonus position (num == K) has q = 0: a real row of q zeroed, not a padded copy of q
+        q_at = q.gather(1, idx.clamp(max=k1 - 2)).squeeze(1) * (num < k1 - 1).unsqueeze(-1)
     return race_sample(rejection.residual(p_at, q_at), generator)
 
 

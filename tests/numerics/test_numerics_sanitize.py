@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numerics import SANITIZE_MAX, nonfinite_row_mask, sanitize_bound, sanitize_nan_logits
+from numerics import SANITIZE_MAX, dead_row_mask, nonfinite_row_mask, sanitize_bound, sanitize_nan_logits
 from numerics_testutil import INT_VIEW, assert_same_bits, softmax_invariant_violation
 
 NAN, INF = float("nan"), float("inf")
@@ -175,3 +175,38 @@ def test_invariant_catches_mutant(mutant):
     # ...while the real sanitize passes every one of them.
     for logits, t in MUTANT_CASES:
         assert softmax_invariant_violation(sanitize_nan_logits(logits.clone(), warn=False), t) is None
+
+
+def _hostile(shape, dtype, seed):
+    """Random values with NaN, +-Inf, +-0, huge and tiny entries at random positions, some whole rows
+    non-finite: what the row masks must classify exactly as the isfinite-based definitions do."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 10
+    specials = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 1e300, -1e300, 3e38, 6e4, 1e-45])
+    pick = torch.randint(0, len(specials), shape, generator=g)
+    x = torch.where(torch.rand(shape, generator=g) < 0.1, specials[pick], x)
+    rows = x.view(-1, shape[-1])
+    rows[::3] = specials[torch.randint(0, 3, rows[::3].shape, generator=g)]   # every third row: no finite value
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 1), (5, 3), (2, 3, 65), (4, 1031), (2, 49152)])
+def test_row_masks_equal_their_isfinite_definitions(dtype, shape):
+    """The masks are built from arithmetic and reductions (fast on CPU); they must mean exactly
+    ``~isfinite.all`` and ``~isfinite.any``, whatever the dtype and wherever the specials sit."""
+    for seed in range(3):
+        x = _hostile(shape, dtype, seed)
+        finite = torch.isfinite(x)
+        assert torch.equal(nonfinite_row_mask(x), ~finite.all(-1))
+        assert torch.equal(dead_row_mask(x), ~finite.any(-1))
+        before = x.clone()
+        nonfinite_row_mask(x), dead_row_mask(x)
+        assert_same_bits(x, before)   # never modified
+    t = torch.zeros(3, 8)
+    t[1, 5] = 1e38
+    t[1, 6] = 1e38        # finite values whose sum overflows: still a finite row
+    t[2, 0] = -1e38
+    t[2, 1] = 1e38
+    assert nonfinite_row_mask(t).tolist() == [False, False, False]
+    assert nonfinite_row_mask(t[:, ::2]).tolist() == [False, False, False]   # a strided view

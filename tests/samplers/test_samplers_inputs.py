@@ -226,3 +226,31 @@ def test_fuzz_nan_inf_never_gives_out_of_range_ids(dtype, vocab):
         res = tree_verify(tokens, parents, _random_corruption((b, n, vocab), dtype, g), draft_probs=q, generator=g, nan_policy=policy, **params)
         assert _in_range(res.output_token_ids, vocab, True)
         assert ((res.num_emitted >= 1) & (res.num_emitted <= 3)).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (2, 3, 17), (4, 1031), (2, 5, 4096)])
+@pytest.mark.parametrize("zero_rows", ["uniform", "zero"])
+def test_clean_probs_is_its_reference_bit_for_bit(dtype, shape, zero_rows):
+    """``clean_probs`` (arithmetic and reductions, fast on CPU) against the plain compare-and-select
+    reference, over NaN, +-Inf, negatives, -0.0, huge entries, all-zero and all-NaN rows."""
+    from samplers.nan import clean_probs_reference
+    from samplers import clean_probs
+
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    p = torch.rand(shape, generator=g, dtype=torch.float64)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -1e-3, 3e38, 1e-45, -1.0])
+    p = torch.where(torch.rand(shape, generator=g) < 0.15,
+                    specials[torch.randint(0, len(specials), shape, generator=g)], p)
+    rows = p.view(-1, shape[-1])
+    rows[1::4] = 0.0                # no mass
+    rows[2::4] = -0.0               # no mass, negative zeros
+    rows[3::5] = float("nan")       # dead
+    p = p.to(dtype)
+    got, bad = clean_probs(p, zero_rows=zero_rows)
+    want, want_bad = clean_probs_reference(p, zero_rows=zero_rows)
+    assert got.dtype == torch.float32 and torch.equal(bad, want_bad)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))   # -0.0 and +0.0 told apart
+    assert torch.equal(p.isnan(), p.clone().isnan())                      # the input is not modified
+    empty, none_bad = clean_probs(torch.empty(*shape[:-1], 0, dtype=dtype), zero_rows=zero_rows)
+    assert empty.shape == (*shape[:-1], 0) and none_bad.shape == shape[:-1] and bool(none_bad.all())
