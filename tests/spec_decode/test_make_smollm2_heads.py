@@ -182,6 +182,12 @@ def test_a_run_continues_from_the_exported_head(msh, build, shipped_target):
         if not name.startswith("fc."):
             assert torch.equal(p, q), name
 
+    sha = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert run("vocab", "--init-from", str(out), work=work) == 0   # more data: the head's vocabulary is kept
+    vocab = json.loads((work / "stats" / "vocab.json").read_text())
+    assert vocab["init_from"] == sha and vocab["draft_vocab_size"] == init.draft_vocab_size
+    assert np.load(work / "draft_vocab.npy").tolist() == sorted(init.to_target_ids(
+        torch.arange(init.draft_vocab_size)).tolist())
     assert run("eagle3", "--init-from", str(out), work=work) == 0
     stats = json.loads((work / "stats" / "eagle3.json").read_text())
     assert stats["train"]["init_from"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
