@@ -165,7 +165,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_a_run_continues_from_the_exported_head(msh, build, shipped_target):
+def test_a_run_continues_from_the_exported_head(msh, build, shipped_target, safespec_tiny_target_path):
     run, root = build
     out = root / "models" / "head"
     if not out.is_dir():
@@ -193,6 +193,17 @@ def test_a_run_continues_from_the_exported_head(msh, build, shipped_target):
     assert stats["train"]["init_from"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     staged = load_drafter(work / "eagle3", shipped_target, method="eagle3")
     assert torch.equal(staged.d2t, init.d2t)
+
+    # exported over the head it continued, the manifest entry keeps that head's run as history
+    models = root / "warm-models"
+    shutil.copytree(out.parent, models)
+    first = json.loads((models / "MANIFEST.json").read_text())["smollm2"][out.name]
+    assert msh.main(["export", "--target", str(safespec_tiny_target_path), "--work-dir", str(work),
+                     "--out-dir", str(models / out.name)]) == 0
+    entry = json.loads((models / "MANIFEST.json").read_text())["smollm2"][out.name]
+    assert entry["earlier_runs"] == msh.earlier_runs(first) and len(entry["earlier_runs"]) == 1
+    assert entry["earlier_runs"][0]["steps"] == first["eagle3"]["steps_run"] == STEPS
+    assert entry["eagle3"]["train"]["init_from"] == sha
 
 
 def test_init_from_a_head_that_does_not_fit_names_it(msh, shipped_target, tmp_path):
