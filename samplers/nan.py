@@ -127,8 +127,7 @@ def clean_probs(probs: torch.Tensor, *, zero_rows: str) -> tuple[torch.Tensor, t
     bad = bad | empty.squeeze(-1)
     p = p.div_(torch.where(empty, 1.0, total))
     # adding 0 turns the -0.0 that clamp keeps into +0.0; an empty row gains its uniform mass
-    fill = empty * (1.0 / p.shape[-1]) if zero_rows == "uniform" else torch.zeros_like(total)
-    return p.add_(fill), bad
+    return p.add_(empty * (1.0 / p.shape[-1]) if zero_rows == "uniform" else 0.0), bad
 
 
 def clean_probs_reference(probs: torch.Tensor, *, zero_rows: str) -> tuple[torch.Tensor, torch.Tensor]:

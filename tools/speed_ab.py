@@ -9,8 +9,8 @@ each with ``PYTHONPATH`` set to its tree and one torch thread. A worker loads th
 (``fixtures/models``; ``--suite smollm2``: SmolLM2-135M-Instruct, that tree's EAGLE-3 head for it and the
 HumanEval prompts) once and warms every method up. One timing of a method sums its ``generate`` calls
 over every prompt alone, at each of ``--temperatures`` (T=0 and T=1 by default), seeded, ``ignore_eos``,
-as ``spec-bench`` runs by default; the driver sends each call to the two workers of a pair in turn (ABBA order), so only one worker runs at a
-time and the two trees' calls are a fraction of a second apart. A shared VM's speed drifts by tens of
+as ``spec-bench`` runs by default; the driver sends each call to the two workers of a pair in turn (ABBA
+order), so only one worker runs at a time and the two trees' calls are a fraction of a second apart. A shared VM's speed drifts by tens of
 percent over seconds; interleaving call by call makes that drift hit both trees alike. Both workers of a
 pair are pinned to the same CPU (pair w to the w-th CPU, round robin): the vCPUs of a shared VM differ
 in speed, and a process that stays on a slower one would bias its tree. Several pairs of processes
