@@ -16,7 +16,11 @@ COUPLED_TWINS = ("eagle_chain", "eagle_tree", "eagle_auto", "eagle_lookup", "eag
 DEFAULT_METHODS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_chain", "eagle_tree", "eagle_auto",
                    "eagle_lookup", "eagle3_tree") + tuple(f"{k}_coupled" for k in COUPLED_TWINS)
 """What ``spec-bench`` runs unless ``--methods`` says otherwise."""
-METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup", "eagle3_chain", "eagle3_lookup")
+EXTRA_COUPLED_TWINS = ("lookup", "eagle3_chain", "eagle3_lookup")
+"""The real model's methods that also run as ``KEY_coupled`` (outside ``spec-bench``'s default set): under
+coupled sampling a sampled request's tokens do not depend on its drafts, so lookup steps serve it too."""
+METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup", "eagle3_chain", "eagle3_lookup") + tuple(
+    f"{k}_coupled" for k in EXTRA_COUPLED_TWINS)
 BENCH_DTYPES = ("fp32", "bf16")
 """The dtypes the bench measures, of ``dtype_names.DTYPE_NAMES`` (fp16 runs in the tests and
 ``tools/smollm2_fp16.py``, not in the bench)."""
@@ -90,7 +94,7 @@ METHOD_SPECS = {
     "hf_lookup": MethodSpec("hf_lookup", "hf", prompt_lookup_tokens=10),
 }
 METHOD_SPECS.update({f"{k}_coupled": replace(METHOD_SPECS[k], key=f"{k}_coupled", draft_sampling="coupled")
-                     for k in COUPLED_TWINS})
+                     for k in COUPLED_TWINS + EXTRA_COUPLED_TWINS})
 
 
 DRAFTER_OPTIONS = {"draft_lm": "--draft-lm", "eagle": "--eagle", "eagle3": "--eagle3"}

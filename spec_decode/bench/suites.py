@@ -17,8 +17,9 @@ from spec_decode.bench.args import csv_list, nonneg_float, positive_int, seed
 from spec_decode.bench.config import BENCH_DTYPES, METHOD_KEYS, BenchConfig, BenchInputError, default_fixtures_dir
 
 SUITES = ("smollm2",)
-SMOLLM2_BASE_METHODS = ("ar", "lookup", "hf_generate", "hf_lookup")
-SMOLLM2_HEAD_METHODS = ("eagle_chain", "eagle_lookup", "eagle3_chain", "eagle3_lookup", "eagle3_tree")
+SMOLLM2_BASE_METHODS = ("ar", "lookup", "lookup_coupled", "hf_generate", "hf_lookup")
+SMOLLM2_HEAD_METHODS = ("eagle_chain", "eagle_lookup", "eagle3_chain", "eagle3_lookup", "eagle3_lookup_coupled",
+                        "eagle3_tree")
 """Run when the matching head exists: ``fixtures/models/smollm2-eagle`` / ``smollm2-eagle3``."""
 SMOLLM2_EAGLE_SUBDIR, SMOLLM2_EAGLE3_SUBDIR = "models/smollm2-eagle", "models/smollm2-eagle3"
 SMOLLM2_NUM_PROMPTS = 4
@@ -59,7 +60,7 @@ def smollm2_heads(fixtures_dir: Path | None = None) -> dict[str, Path]:
 def default_methods(eagle: Path, eagle3: Path) -> tuple[str, ...]:
     """The base methods, plus each head method whose checkpoint directory exists."""
     heads = {"eagle_chain": eagle, "eagle_lookup": eagle, "eagle3_chain": eagle3, "eagle3_lookup": eagle3,
-             "eagle3_tree": eagle3}
+             "eagle3_lookup_coupled": eagle3, "eagle3_tree": eagle3}
     return SMOLLM2_BASE_METHODS + tuple(k for k in SMOLLM2_HEAD_METHODS if Path(heads[k]).is_dir())
 
 

@@ -101,6 +101,7 @@ METHODS = {
     "tree_4_2_8_t05": ("eagle", dict(num_steps=4, topk=2, num_draft_tokens=8, tree_score_temperature=0.5)),
     "auto": ("eagle", dict(num_steps="auto", num_draft_tokens=6)),
     "chain_lookup": ("eagle", dict(num_steps=5, topk=1, num_draft_tokens=6, lookup_ngram=1)),
+    "lookup_only": ("none", dict(lookup_ngram=1)),
     "eagle3": ("eagle3", dict(num_steps=4, topk=2, num_draft_tokens=8)),
     "draft_model": ("draft_model", dict(num_steps=3, topk=2, num_draft_tokens=6)),
 }
@@ -117,7 +118,7 @@ def _decoder(coupled_models, name):
         return SpecDecoder(coupled_models["target"], None, method="none", draft_sampling="coupled")
     method, shape = METHODS[name]
     drafter = {"eagle": coupled_models["eagle"], "eagle3": coupled_models["eagle3"],
-               "draft_model": coupled_models["draft"]}[method]
+               "draft_model": coupled_models["draft"], "none": None}[method]
     return SpecDecoder(coupled_models["target"], drafter, method=method, draft_sampling="coupled", **shape)
 
 
@@ -151,11 +152,14 @@ def _reorder(kw, order):
     return {k: [v[i] for i in order] if isinstance(v, list) else v for k, v in kw.items()}
 
 
-def test_speculation_really_ran(coupled_models):
-    """The invariance is not vacuous: drafts were accepted at temperature 1, and lookup steps served
-    sampled requests (repetitive prompts, so that their last tokens occurred before)."""
-    prompts, kw = [[7, 7, 7, 7], [1, 2, 1, 2, 1, 2]], dict(temperature=1.0, min_p=0.2)
-    dec = _decoder(coupled_models, "chain_lookup")
+@pytest.mark.parametrize("name, temperature", [("chain_lookup", 1.0), ("lookup_only", 0.3)])
+def test_speculation_really_ran(coupled_models, name, temperature):
+    """The invariance is not vacuous: drafts were accepted at a temperature, and lookup steps served
+    sampled requests (repetitive prompts, so that their last tokens occurred before). Lookup alone
+    drafts what followed in the context, which the random target's draws match only when they
+    repeat: a lower temperature makes its outputs loop."""
+    prompts, kw = [[7, 7, 7, 7], [1, 2, 1, 2, 1, 2]], dict(temperature=temperature, min_p=0.2)
+    dec = _decoder(coupled_models, name)
     out = dec.generate(prompts, max_new_tokens=MAX_NEW, seed=SEEDS[:2], ignore_eos=True, **kw)
     assert any(dec.last_stats.lookup)
     assert max(n for r in out for n in r.accepted_lengths) > 1
@@ -199,7 +203,7 @@ def test_seed_none_draws_one_seed_per_request(coupled_models):
     assert len({tuple(t) for t in first}) == len(first)
 
 
-@pytest.mark.parametrize("name", ["tree_5_4_8", "chain_lookup", "eagle3"])
+@pytest.mark.parametrize("name", ["tree_5_4_8", "chain_lookup", "lookup_only", "eagle3"])
 def test_one_host_sync_per_step_under_coupled(coupled_models, host_reads, name):
     """The noise, coupled drafts and coupled verification read nothing back: one host copy per step."""
     dec = _decoder(coupled_models, name)

@@ -40,10 +40,12 @@ def test_chat_set_has_at_least_40_instructions_and_no_humaneval_prompt():
 
 
 def test_head_methods_join_only_where_their_heads_exist(tmp_path):
-    assert default_methods(tmp_path / "none", tmp_path / "none") == ("ar", "lookup", "hf_generate", "hf_lookup")
+    base = ("ar", "lookup", "lookup_coupled", "hf_generate", "hf_lookup")
+    assert default_methods(tmp_path / "none", tmp_path / "none") == base
     (tmp_path / "e").mkdir()
-    assert default_methods(tmp_path / "e", tmp_path / "none")[-2:] == ("eagle_chain", "eagle_lookup")
-    assert default_methods(tmp_path / "none", tmp_path / "e")[-3:] == ("eagle3_chain", "eagle3_lookup", "eagle3_tree")
+    assert default_methods(tmp_path / "e", tmp_path / "none") == base + ("eagle_chain", "eagle_lookup")
+    assert default_methods(tmp_path / "none", tmp_path / "e") == base + (
+        "eagle3_chain", "eagle3_lookup", "eagle3_lookup_coupled", "eagle3_tree")
 
 
 def test_profile_suite_points_at_the_real_models_heads_unless_told_otherwise(smollm2_dir, tmp_path):
@@ -98,6 +100,7 @@ def test_suite_end_to_end_on_the_real_model(tmp_path, smollm2_dir):
     results = json.loads((out / "results.json").read_text())
     methods = results["prompt_sets"]["chat"]["methods"]
     # The shipped EAGLE-3 head joins the suite by default; there is no EAGLE-1 head for SmolLM2.
-    assert set(methods) == {"ar", "lookup", "hf_generate", "hf_lookup", "eagle3_chain", "eagle3_lookup", "eagle3_tree"}
+    assert set(methods) == {"ar", "lookup", "lookup_coupled", "hf_generate", "hf_lookup", "eagle3_chain",
+                            "eagle3_lookup", "eagle3_lookup_coupled", "eagle3_tree"}
     assert all(m["greedy_equals_ar"] for m in methods.values())
     assert (out / "table.md").read_text().count("| chat | fp32 | 0 |") == len(methods)
