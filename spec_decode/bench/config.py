@@ -40,7 +40,8 @@ class MethodSpec:
     choose the depth per step. ``score_temperature``: ``SpecDecoder(tree_score_temperature=...)``
     (None: the library's default, 1.0). ``lookup_ngram``: ``SpecDecoder(lookup_ngram=...)`` (None: off),
     greedy steps that verify drafts copied from the request's context where its last n-gram occurred
-    before (``spec_decode.lookup``). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)`` (None: the
+    before (``spec_decode.lookup``); ``lookup_tokens``: ``SpecDecoder(lookup_tokens=...)``, the most drafts
+such a step verifies (None: the library's default). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)`` (None: the
     library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
     ``prompt_lookup_tokens``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF's prompt lookup).
     """
@@ -54,6 +55,7 @@ class MethodSpec:
     num_draft_tokens: int | None = None
     score_temperature: float | None = None
     lookup_ngram: int | None = None
+    lookup_tokens: int | None = None
     draft_sampling: str | None = None
     prompt_lookup_tokens: int | None = None
 
@@ -65,6 +67,11 @@ class MethodSpec:
     def describe(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None and k != "key"}
 
+
+LOOKUP_TOKENS = 11
+"""The lookup methods' ``lookup_tokens`` for the real model: a step verifies the root and 11 drafts, 12
+rows, one row block of the AVX-512 projection kernel (``spec_decode/cpu/cpu_gemm.c``); a lookup step
+that verifies its drafts accepts most of them, so a longer one pays where the block costs little more."""
 
 # The CPU tree winner of `spec-bench tune` (2026-12-01: 4/2/8 scored at temperature 0.5, 1.31x `ar`,
 # against 1.22x for 4/2/8 at 1.0; the best chain, 4/1/5, made 1.39x)
@@ -86,10 +93,12 @@ METHOD_SPECS = {
     # the EAGLE-3 chain, alone and with lookup steps (as eagle_lookup): the real model's heads run them, in
     # the shape `spec-bench tune` picked for the SmolLM2 head on CPU (docs/performance.md)
     "eagle3_chain": MethodSpec("eagle3_chain", "ours", "eagle3", "eagle3", 3, 1, 4),
-    "eagle3_lookup": MethodSpec("eagle3_lookup", "ours", "eagle3", "eagle3", 3, 1, 4, lookup_ngram=3),
-    # prompt lookup alone (no drafter): greedy steps verify up to 8 tokens copied from where the last
-    # 3 tokens occurred before in the context; sampled requests decode one token a step
-    "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),
+    # Lookup steps verify up to LOOKUP_TOKENS drafts (docs/performance.md has the side-by-side)
+    "eagle3_lookup": MethodSpec("eagle3_lookup", "ours", "eagle3", "eagle3", 3, 1, 4, lookup_ngram=3,
+                                lookup_tokens=LOOKUP_TOKENS),
+    # prompt lookup alone (no drafter): greedy steps verify up to LOOKUP_TOKENS tokens copied from where
+    # the last 3 tokens occurred before in the context; sampled requests decode one token a step
+    "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3, lookup_tokens=LOOKUP_TOKENS),
     # HF's prompt lookup with the value its docs show (10 candidate tokens); it samples too
     "hf_lookup": MethodSpec("hf_lookup", "hf", prompt_lookup_tokens=10),
 }

@@ -155,6 +155,8 @@ class ModelCache:
             tree["tree_score_temperature"] = spec.score_temperature
         if spec.lookup_ngram is not None:
             tree["lookup_ngram"] = spec.lookup_ngram
+        if spec.lookup_tokens is not None:
+            tree["lookup_tokens"] = spec.lookup_tokens
         if spec.draft_sampling is not None:
             tree["draft_sampling"] = spec.draft_sampling
         dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)
