@@ -69,9 +69,10 @@ such a step verifies (None: the library's default). ``draft_sampling``: ``SpecDe
 
 
 LOOKUP_TOKENS = 11
-"""The lookup methods' ``lookup_tokens`` for the real model: a step verifies the root and 11 drafts, 12
-rows, one row block of the AVX-512 projection kernel (``spec_decode/cpu/cpu_gemm.c``); a lookup step
-that verifies its drafts accepts most of them, so a longer one pays where the block costs little more."""
+"""``eagle3_lookup``'s ``lookup_tokens``: a step verifies the root and 11 drafts, 12 rows, one row block
+of the AVX-512 projection kernel (``spec_decode/cpu/cpu_gemm.c``); a lookup step that verifies its
+drafts accepts most of them, so a longer one pays where the block costs little more. ``lookup`` alone
+keeps the library's 8: 11 measured no faster there (docs/performance.md)."""
 
 # The CPU tree winner of `spec-bench tune` (2026-12-01: 4/2/8 scored at temperature 0.5, 1.31x `ar`,
 # against 1.22x for 4/2/8 at 1.0; the best chain, 4/1/5, made 1.39x)
@@ -96,9 +97,9 @@ METHOD_SPECS = {
     # Lookup steps verify up to LOOKUP_TOKENS drafts (docs/performance.md has the side-by-side)
     "eagle3_lookup": MethodSpec("eagle3_lookup", "ours", "eagle3", "eagle3", 3, 1, 4, lookup_ngram=3,
                                 lookup_tokens=LOOKUP_TOKENS),
-    # prompt lookup alone (no drafter): greedy steps verify up to LOOKUP_TOKENS tokens copied from where
-    # the last 3 tokens occurred before in the context; sampled requests decode one token a step
-    "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3, lookup_tokens=LOOKUP_TOKENS),
+    # prompt lookup alone (no drafter): greedy steps verify up to 8 tokens (the library's default) copied
+    # from where the last 3 tokens occurred before in the context; sampled requests decode one token a step
+    "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),
     # HF's prompt lookup with the value its docs show (10 candidate tokens); it samples too
     "hf_lookup": MethodSpec("hf_lookup", "hf", prompt_lookup_tokens=10),
 }

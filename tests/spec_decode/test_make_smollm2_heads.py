@@ -198,12 +198,15 @@ def test_a_run_continues_from_the_exported_head(msh, build, shipped_target, safe
     models = root / "warm-models"
     shutil.copytree(out.parent, models)
     first = json.loads((models / "MANIFEST.json").read_text())["smollm2"][out.name]
+    # a shard that a late data process added after the vocab stage is not one the head trained on
+    shutil.copytree(work / "data" / "train-00001", work / "data" / "train-00002")
     assert msh.main(["export", "--target", str(safespec_tiny_target_path), "--work-dir", str(work),
                      "--out-dir", str(models / out.name)]) == 0
     entry = json.loads((models / "MANIFEST.json").read_text())["smollm2"][out.name]
     assert entry["earlier_runs"] == msh.earlier_runs(first) and len(entry["earlier_runs"]) == 1
     assert entry["earlier_runs"][0]["steps"] == first["eagle3"]["steps_run"] == STEPS
     assert entry["eagle3"]["train"]["init_from"] == sha
+    assert entry["data"]["train_shards"] == len(vocab["shards"]) == 2
 
 
 def test_init_from_a_head_that_does_not_fit_names_it(msh, shipped_target, tmp_path):

@@ -746,7 +746,7 @@ def test_tune_shapes_carry_a_tree_score_temperature(fake_fixtures, tmp_path):
     assert models.runner(plain).decoder.tree_score_temperature == 1.0
 
 
-def test_the_lookup_methods_verify_up_to_lookup_tokens_drafts(fake_fixtures, tmp_path):
+def test_eagle3_lookup_verifies_up_to_lookup_tokens_drafts(fake_fixtures, tmp_path):
     from spec_decode.bench.config import LOOKUP_TOKENS, METHOD_SPECS, BenchConfig
     from spec_decode.bench.methods import ModelCache
 
@@ -754,9 +754,10 @@ def test_the_lookup_methods_verify_up_to_lookup_tokens_drafts(fake_fixtures, tmp
     cfg = BenchConfig(target=m / "tiny-target", draft_lm=m / "tiny-draft", eagle=m / "tiny-eagle",
                       eagle3=m / "tiny-eagle3", prompts=fake_fixtures / "prompts.jsonl", out=tmp_path, num_prompts=2)
     models = ModelCache(cfg, "fp32", torch.device("cpu"))
-    for key in ("lookup", "lookup_coupled", "eagle3_lookup", "eagle3_lookup_coupled"):
+    for key in ("eagle3_lookup", "eagle3_lookup_coupled"):
         assert models.runner(METHOD_SPECS[key]).decoder.lookup_tokens == LOOKUP_TOKENS, key
-    assert models.runner(METHOD_SPECS["eagle_lookup"]).decoder.lookup_tokens == 8   # the library's default
+    for key in ("lookup", "lookup_coupled", "eagle_lookup"):   # the library's default
+        assert models.runner(METHOD_SPECS[key]).decoder.lookup_tokens == 8, key
 
 
 def test_tune_default_grid_is_valid_and_has_chains(fake_fixtures):
