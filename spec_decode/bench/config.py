@@ -41,8 +41,8 @@ class MethodSpec:
     (None: the library's default, 1.0). ``lookup_ngram``: ``SpecDecoder(lookup_ngram=...)`` (None: off),
     greedy steps that verify drafts copied from the request's context where its last n-gram occurred
     before (``spec_decode.lookup``); ``lookup_tokens``: ``SpecDecoder(lookup_tokens=...)``, the most drafts
-such a step verifies (None: the library's default). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)`` (None: the
-    library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
+    such a step verifies (None: the library's default). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)``
+    (None: the library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
     ``prompt_lookup_tokens``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF's prompt lookup).
     """
 

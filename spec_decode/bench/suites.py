@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.args import csv_list, nonneg_float, positive_int, seed
-from spec_decode.bench.config import BENCH_DTYPES, METHOD_KEYS, BenchConfig, BenchInputError, default_fixtures_dir
+from spec_decode.bench.config import (BENCH_DTYPES, METHOD_KEYS, METHOD_SPECS, BenchConfig, BenchInputError,
+                                     default_fixtures_dir)
 
 SUITES = ("smollm2",)
 SMOLLM2_BASE_METHODS = ("ar", "lookup", "lookup_coupled", "hf_generate", "hf_lookup")
@@ -59,9 +60,9 @@ def smollm2_heads(fixtures_dir: Path | None = None) -> dict[str, Path]:
 
 def default_methods(eagle: Path, eagle3: Path) -> tuple[str, ...]:
     """The base methods, plus each head method whose checkpoint directory exists."""
-    heads = {"eagle_chain": eagle, "eagle_lookup": eagle, "eagle3_chain": eagle3, "eagle3_lookup": eagle3,
-             "eagle3_lookup_coupled": eagle3, "eagle3_tree": eagle3}
-    return SMOLLM2_BASE_METHODS + tuple(k for k in SMOLLM2_HEAD_METHODS if Path(heads[k]).is_dir())
+    heads = {"eagle": eagle, "eagle3": eagle3}   # a method's drafter (MethodSpec.drafter) -> its head
+    return SMOLLM2_BASE_METHODS + tuple(k for k in SMOLLM2_HEAD_METHODS
+                                        if Path(heads[METHOD_SPECS[k].drafter]).is_dir())
 
 
 def main(argv: list[str]) -> int:
