@@ -69,6 +69,20 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
+def test_the_second_chat_pool_only_appends(msh, monkeypatch):
+    """Shards made before the second pool existed keep their prompts: the pool goes after the first."""
+    full = msh.training_prompts()
+    second = [p for p in full if p["id"].startswith("chat2:")]
+    monkeypatch.setattr(msh, "CHAT_TEMPLATES_2", ())
+    first = msh.training_prompts()
+    assert second and all(p["kind"] == "chat" for p in second)
+    assert full == first + second
+    banned = msh.evaluation_texts()
+    assert not [p for p in second if msh._normalize(p["text"]) in banned]
+    texts = [p["text"] for p in second]
+    assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in first}
+
+
 def test_shards_hold_the_targets_own_greedy_continuations(msh, build, shipped_target):
     _, root = build
     shard = msh.read_shard(root / "work" / "data" / "train-00000")
