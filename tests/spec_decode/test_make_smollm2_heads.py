@@ -221,6 +221,11 @@ def test_a_run_continues_from_the_exported_head(msh, build, shipped_target, safe
     assert entry["earlier_runs"][0]["steps"] == first["eagle3"]["steps_run"] == STEPS
     assert entry["eagle3"]["train"]["init_from"] == sha
     assert entry["data"]["train_shards"] == len(vocab["shards"]) == 2
+    # exported again (a fix to the export, say), the run is not its own earlier run
+    assert msh.main(["export", "--target", str(safespec_tiny_target_path), "--work-dir", str(work),
+                     "--out-dir", str(models / out.name)]) == 0
+    again = json.loads((models / "MANIFEST.json").read_text())["smollm2"][out.name]
+    assert again["earlier_runs"] == entry["earlier_runs"]
 
 
 def test_init_from_a_head_that_does_not_fit_names_it(msh, shipped_target, tmp_path):
