@@ -83,6 +83,30 @@ def test_the_second_chat_pool_only_appends(msh, monkeypatch):
     assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in first}
 
 
+def test_every_chat_evaluation_prompt_names_a_topic(msh):
+    """A training prompt on an evaluation prompt's subject is not trained on: every chat evaluation
+    prompt must name a topic, and every topic must name an evaluation prompt (none left stale)."""
+    from spec_decode.bench.prompt_sets import chat_instructions
+
+    texts = chat_instructions()
+    assert not [t for t in texts if not msh.evaluation_topics(t)]
+    named = set().union(*(msh.evaluation_topics(t) for t in texts))
+    assert named == set(msh.EVALUATION_TOPICS)
+    assert msh.near_evaluation({"kind": "chat", "text": "How does a fridge work? Explain it simply."})
+    assert not msh.near_evaluation({"kind": "code", "text": "Write a Python function `sleep(secs)`."})
+    assert not msh.near_evaluation({"kind": "chat", "text": "Give a short history of the radio."})
+
+
+def test_row_batcher_never_draws_skipped_rows(msh):
+    ids = ["chat:0:0", "code:a:1", "chat:1:4"]
+    lens = np.array([3, 2, 4])
+    shard = {"prompt_lens": np.ones(3, np.int64), "offsets": np.concatenate([[0], np.cumsum(lens)]),
+             "meta": {"prompt_ids": ids}}
+    batcher = msh.RowBatcher([shard], skip_ids=frozenset({"chat:1:4"}))
+    assert batcher.rows == [(0, 0), (0, 1)]
+    assert msh.RowBatcher([shard]).rows == [(0, 0), (0, 1), (0, 2)]
+
+
 def test_shards_hold_the_targets_own_greedy_continuations(msh, build, shipped_target):
     _, root = build
     shard = msh.read_shard(root / "work" / "data" / "train-00000")
@@ -146,8 +170,10 @@ def test_draft_vocabulary_and_coverage(msh, build):
     assert 0 < stats["heldout_coverage"] <= 1 and stats["train_coverage"] >= stats["heldout_coverage"] - 0.2
 
 
-def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target):
+def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target, monkeypatch):
     run, root = build
+    # the tiny build's prompts name no evaluation subject: every chat prompt stands in for one here
+    monkeypatch.setattr(msh, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
     work = root / "work"
     fresh = root / "fresh"
     shutil.copytree(work, fresh)
@@ -159,6 +185,9 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     assert (fresh / "eagle3" / "model.safetensors").read_bytes() == a
     stats = json.loads((work / "stats" / "eagle3.json").read_text())
     assert stats["steps_run"] == STEPS and stats["runs"] == 2 and 0 <= stats["heldout_step1_agreement"] <= 1
+    by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
+    trained = [i for s in ("train-00000", "train-00001") for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
+    assert stats["train"]["near_evaluation_rows"] == sum(msh.near_evaluation(by_id[i]) for i in trained) > 0
 
     assert run("export") == 0
     out = root / "models" / "head"
@@ -252,6 +281,16 @@ def test_agreement_on_the_evaluation_sets(msh, build, shipped_target):
         assert 0 <= stats[prompt_set]["step1_agreement"] <= 1
     entry = json.loads((root / "models" / "MANIFEST.json").read_text())[msh.MANIFEST_KEY]["head"]
     assert entry["agreement"]["humaneval"] == stats["humaneval"]
+    # the chat rows whose subject a training prompt names are left out of chat_unseen_topics
+    from spec_decode.bench.prompt_sets import chat_instructions
+
+    work = msh.Work(root / "work", Path(), Path(), msh.SEED)
+    trained = set().union(*(msh.evaluation_topics(p["text"]) for p in msh.read_prompts(work)
+                            if p["kind"] == "chat" and not p["held_out"]))
+    unseen = [t for t in chat_instructions()[:3] if not msh.evaluation_topics(t) & trained]
+    assert 0 < len(unseen) < 3   # both kinds among the first three (a test of the split, not of the head)
+    assert stats["chat_unseen_topics"]["prompts"] == len(unseen)
+    assert stats["chat_unseen_topics"]["positions"] == len(unseen) * NEW_TOKENS
     shard = msh.read_shard(root / "work" / "eval-humaneval")
     assert shard["temperatures"].tolist() == [0.0] * 3
     # a head whose lm_head is zero argmaxes draft id 0 everywhere: it agrees exactly where the target's
