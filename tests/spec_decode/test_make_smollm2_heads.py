@@ -186,7 +186,8 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     stats = json.loads((work / "stats" / "eagle3.json").read_text())
     assert stats["steps_run"] == STEPS and stats["runs"] == 2 and 0 <= stats["heldout_step1_agreement"] <= 1
     by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
-    trained = [i for s in ("train-00000", "train-00001") for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
+    trained = [i for s in ("train-00000", "train-00001")
+               for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
     assert stats["train"]["near_evaluation_rows"] == sum(msh.near_evaluation(by_id[i]) for i in trained) > 0
 
     assert run("export") == 0
