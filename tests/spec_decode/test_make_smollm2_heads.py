@@ -69,18 +69,28 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
-def test_the_second_chat_pool_only_appends(msh, monkeypatch):
-    """Shards made before the second pool existed keep their prompts: the pool goes after the first."""
+@pytest.mark.parametrize("pool, templates", [("chat2", "CHAT_TEMPLATES_2"), ("chat3", "CHAT_TEMPLATES_3")])
+def test_a_later_chat_pool_only_appends(msh, monkeypatch, pool, templates):
+    """Shards made before a chat pool existed keep their prompts: the pool goes after the earlier ones."""
     full = msh.training_prompts()
-    second = [p for p in full if p["id"].startswith("chat2:")]
-    monkeypatch.setattr(msh, "CHAT_TEMPLATES_2", ())
-    first = msh.training_prompts()
-    assert second and all(p["kind"] == "chat" for p in second)
-    assert full == first + second
+    ids = [p["id"] for p in full]
+    start = next(i for i, p in enumerate(ids) if p.startswith(f"{pool}:"))
+    added = [p for p in full if p["id"].startswith(f"{pool}:")]
+    assert added and full[start: start + len(added)] == added and all(p["kind"] == "chat" for p in added)
+    monkeypatch.setattr(msh, templates, ())
+    assert msh.training_prompts()[:start] == full[:start]
     banned = msh.evaluation_texts()
-    assert not [p for p in second if msh._normalize(p["text"]) in banned]
-    texts = [p["text"] for p in second]
-    assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in first}
+    assert not [p for p in added if msh._normalize(p["text"]) in banned]
+    texts = [p["text"] for p in added]
+    assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in full[:start]}
+
+
+def test_the_third_chat_pool_names_no_evaluation_subject(msh):
+    """The third pool is fresh data on subjects the chat set does not ask about: every one of its rows is
+    trained on."""
+    third = [p for p in msh.training_prompts() if p["id"].startswith("chat3:")]
+    assert len(third) > 1500
+    assert not [p["text"] for p in third if msh.near_evaluation(p)]
 
 
 def test_every_chat_evaluation_prompt_names_a_topic(msh):
