@@ -71,8 +71,8 @@ _UNIFORM_OFFSET = 0.5 + 2.0**-53  # (h >> 12) * 2**-52 + this == ((h >> 12) + 2*
 
 
 def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 words: the arithmetic shift, sign copies masked off."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical right shift of int64 words: the arithmetic shift, sign copies masked off. A new tensor."""
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
@@ -172,9 +172,26 @@ def _coupled_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab
 
     NaN: a NaN in ``base`` stays NaN; the noise has none.
     """
-    words = _words(seeds, positions, _tokens(vocab_size, token_ids, seeds.device))
-    noise = _gumbel(_uniform(words)).float()
-    return noise if base is None else noise.add_(base)
+    tokens = _tokens(vocab_size, token_ids, seeds.device)
+    noise = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
+    for rows in _row_blocks(seeds.shape[0], vocab_size, seeds.device):
+        noise[rows] = _gumbel(_uniform(_words(seeds[rows], positions[rows], tokens)))  # rounds once to float32
+        if base is not None:
+            noise[rows].add_(base[rows])
+    return noise
+
+
+_CPU_BLOCK_WORDS = 1 << 16
+"""Words per block of rows on CPU: a block's int64 words and float64 uniforms stay in a core's L2 cache
+through the hash's twenty-odd elementwise passes, which otherwise each stream all R x V words through
+memory."""
+
+
+def _row_blocks(rows: int, vocab_size: int, device: torch.device) -> list[slice]:
+    """The blocks of rows the torch noise is made in: on CPU ``_CPU_BLOCK_WORDS`` words at most (one
+    row at least), elsewhere all rows at once (a GPU wants few, large kernels)."""
+    per_block = max(1, _CPU_BLOCK_WORDS // vocab_size) if device.type == "cpu" else max(rows, 1)
+    return [slice(start, start + per_block) for start in range(0, rows, per_block)]
 
 
 def _noise(seeds, positions, vocab_size, token_ids, base, backend: str) -> torch.Tensor:

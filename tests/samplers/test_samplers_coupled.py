@@ -297,6 +297,30 @@ def test_noise_over_positions_equals_one_position_at_a_time():
     assert not torch.equal(noise[0, 1], noise[1, 1])
 
 
+@pytest.mark.parametrize("rows, vocab", [(7, 5), (7, 8192 + 3), (3, 49_152), (5, 70_001)])
+def test_noise_made_in_blocks_of_rows_is_the_noise_made_at_once(monkeypatch, rows, vocab):
+    """On CPU the torch noise is made a block of rows at a time (``_row_blocks``): the same bits as all
+    rows at once, with blocks of two rows (a last partial one) or the default's, token ids and a base."""
+    seeds = torch.tensor((SEEDS * 2)[:rows], dtype=torch.int64)
+    positions = torch.tensor((POSITIONS * 2)[:rows], dtype=torch.int64)
+    token_ids = torch.randperm(vocab + 11, generator=torch.Generator().manual_seed(vocab))[:vocab]
+    base = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows))
+    cases = ((None, None), (token_ids, base))
+
+    def noise_in_blocks_of(words: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(coupled_mod, "_CPU_BLOCK_WORDS", words)
+        return [coupled_mod._coupled_noise_reference(seeds, positions, vocab, ids, b) for ids, b in cases]
+
+    rows_per_block = max(1, coupled_mod._CPU_BLOCK_WORDS // vocab)
+    assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == -(-rows // rows_per_block)
+    blocked = noise_in_blocks_of(coupled_mod._CPU_BLOCK_WORDS), noise_in_blocks_of(2 * vocab)
+    assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == (rows + 1) // 2
+    whole = noise_in_blocks_of(1 << 40)
+    assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == 1
+    for got in blocked:
+        assert all(torch.equal(a, b) for a, b in zip(got, whole))
+
+
 def test_token_ids_key_each_column_by_its_token():
     # A drafter over a reduced vocabulary: column j gets the noise of token ids[j].
     seeds, positions = torch.tensor([5, -9]), torch.tensor([[0, 1], [40, 41]])
