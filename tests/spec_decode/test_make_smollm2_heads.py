@@ -69,12 +69,17 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
+LATER_POOLS = ("chat2", "chat3")   # in the order they were added
+
+
 @pytest.mark.parametrize("pool, templates", [("chat2", "CHAT_TEMPLATES_2"), ("chat3", "CHAT_TEMPLATES_3")])
 def test_a_later_chat_pool_only_appends(msh, monkeypatch, pool, templates):
     """Shards made before a chat pool existed keep their prompts: the pool goes after the earlier ones."""
     full = msh.training_prompts()
     ids = [p["id"] for p in full]
     start = next(i for i, p in enumerate(ids) if p.startswith(f"{pool}:"))
+    newer = LATER_POOLS[LATER_POOLS.index(pool) + 1:]
+    assert not [i for i in ids[:start] if i.split(":")[0] in newer]
     added = [p for p in full if p["id"].startswith(f"{pool}:")]
     assert added and full[start: start + len(added)] == added and all(p["kind"] == "chat" for p in added)
     monkeypatch.setattr(msh, templates, ())
