@@ -69,20 +69,25 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
-LATER_POOLS = ("chat2", "chat3")   # in the order they were added
+# the pools added after the first, in the order they were added: (their id prefixes, what empties each)
+LATER_POOLS = ((("chat2",), {"CHAT_TEMPLATES_2": ()}),
+               (("chat3",), {"CHAT_TEMPLATES_3": ()}),
+               (("code2", "chat4"), {"CODE_STUBS": 0, "CHAT_4_PER_TEMPLATE": 0}))
 
 
-@pytest.mark.parametrize("pool, templates", [("chat2", "CHAT_TEMPLATES_2"), ("chat3", "CHAT_TEMPLATES_3")])
-def test_a_later_chat_pool_only_appends(msh, monkeypatch, pool, templates):
-    """Shards made before a chat pool existed keep their prompts: the pool goes after the earlier ones."""
+@pytest.mark.parametrize("index", range(len(LATER_POOLS)), ids=lambda i: "+".join(LATER_POOLS[i][0]))
+def test_a_later_pool_only_appends(msh, monkeypatch, index):
+    """Shards made before a pool existed keep their prompts: the pool goes after the earlier ones."""
+    prefixes, emptied = LATER_POOLS[index]
     full = msh.training_prompts()
     ids = [p["id"] for p in full]
-    start = next(i for i, p in enumerate(ids) if p.startswith(f"{pool}:"))
-    newer = LATER_POOLS[LATER_POOLS.index(pool) + 1:]
+    start = next(i for i, p in enumerate(ids) if p.split(":")[0] in prefixes)
+    newer = {prefix for later, _ in LATER_POOLS[index + 1:] for prefix in later}
     assert not [i for i in ids[:start] if i.split(":")[0] in newer]
-    added = [p for p in full if p["id"].startswith(f"{pool}:")]
-    assert added and full[start: start + len(added)] == added and all(p["kind"] == "chat" for p in added)
-    monkeypatch.setattr(msh, templates, ())
+    added = [p for p in full if p["id"].split(":")[0] in prefixes]
+    assert added and full[start: start + len(added)] == added
+    for name, value in emptied.items():
+        monkeypatch.setattr(msh, name, value)
     assert msh.training_prompts()[:start] == full[:start]
     banned = msh.evaluation_texts()
     assert not [p for p in added if msh._normalize(p["text"]) in banned]
@@ -90,12 +95,29 @@ def test_a_later_chat_pool_only_appends(msh, monkeypatch, pool, templates):
     assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in full[:start]}
 
 
-def test_the_third_chat_pool_names_no_evaluation_subject(msh):
-    """The third pool is fresh data on subjects the chat set does not ask about: every one of its rows is
-    trained on."""
-    third = [p for p in msh.training_prompts() if p["id"].startswith("chat3:")]
-    assert len(third) > 1500
-    assert not [p["text"] for p in third if msh.near_evaluation(p)]
+@pytest.mark.parametrize("prefix", ["chat3", "chat4"])
+def test_a_fresh_chat_pool_names_no_evaluation_subject(msh, prefix):
+    """The third and fourth pools are fresh data on subjects the chat set does not ask about: every one of
+    their rows is trained on."""
+    pool = [p for p in msh.training_prompts() if p["id"].startswith(f"{prefix}:")]
+    assert len(pool) > 1400 and {p["kind"] for p in pool} == {"chat"}
+    assert not [p["text"] for p in pool if msh.near_evaluation(p)]
+
+
+def test_the_fourth_pool_interleaves_code_stubs_in_humaneval_form(msh):
+    """The fourth pool's code prompts are bare stubs (HumanEval's form) of stdlib functions that no HumanEval
+    problem names and that no earlier prompt showed as a stub; code and chat alternate while both last."""
+    full = msh.training_prompts()
+    pool = [p for p in full if p["id"].split(":")[0] in ("code2", "chat4")]
+    stubs = [p for p in pool if p["id"].startswith("code2:")]
+    assert 0 < len(stubs) <= msh.CODE_STUBS and {p["kind"] for p in stubs} == {"code"}   # a corpus slice here
+    assert [p["id"].split(":")[0] for p in pool[:6]] == ["code2", "chat4"] * 3
+    assert all(p["text"].startswith("def ") and p["text"].rstrip().endswith('"""') for p in stubs)
+    names = msh.humaneval_names()
+    assert not [p for p in stubs if any(f"def {n}(" in p["text"] for n in names)]
+    earlier_stubs = {p["id"].replace("code:", "", 1) for p in full
+                     if p["id"].startswith("code:") and p["text"].startswith("Complete this Python function")}
+    assert earlier_stubs and not {p["id"].replace("code2:", "", 1) for p in stubs} & earlier_stubs
 
 
 def test_every_chat_evaluation_prompt_names_a_topic(msh):
