@@ -7,8 +7,10 @@ bf16 head with its MANIFEST.json entry).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -69,10 +71,13 @@ def test_training_prompts_are_seeded(msh):
     assert a == b and a != msh.training_prompts(8)[:50]
 
 
+# the id prefixes of stub prompts (``code_stub``), the fourth pool's and the fifth's
+STUB_PREFIXES = ("code2", "code3")
 # the pools added after the first, in the order they were added: (their id prefixes, what empties each)
 LATER_POOLS = ((("chat2",), {"CHAT_TEMPLATES_2": ()}),
                (("chat3",), {"CHAT_TEMPLATES_3": ()}),
-               (("code2", "chat4"), {"CODE_STUBS": 0, "CHAT_4_PER_TEMPLATE": 0}))
+               (("code2", "chat4"), {"CODE_STUBS": 0, "CHAT_4_PER_TEMPLATE": 0}),
+               (("code3", "chat5"), {"CHAT_5_PER_TEMPLATE": 0}))
 
 
 @pytest.mark.parametrize("index", range(len(LATER_POOLS)), ids=lambda i: "+".join(LATER_POOLS[i][0]))
@@ -91,33 +96,85 @@ def test_a_later_pool_only_appends(msh, monkeypatch, index):
     assert msh.training_prompts()[:start] == full[:start]
     banned = msh.evaluation_texts()
     assert not [p for p in added if msh._normalize(p["text"]) in banned]
-    texts = [p["text"] for p in added]
-    assert len(set(texts)) == len(texts) and not set(texts) & {p["text"] for p in full[:start]}
+    assert len(set(ids)) == len(ids)
+    assert not _repeats_other_than_shared_stubs(full[:start] + added, {p["id"] for p in added})
 
 
-@pytest.mark.parametrize("prefix", ["chat3", "chat4"])
+def _repeats_other_than_shared_stubs(prompts: list[dict], ids: set[str]) -> dict[str, list[str]]:
+    """The texts that more than one of ``prompts`` has, one of them in ``ids``, except a stub shared by
+    different functions: two with the same name, arguments and docstring (a method repeated across classes)
+    have one stub, and both stay (the shards were made so)."""
+    by_text = collections.defaultdict(list)
+    for p in prompts:
+        by_text[p["text"]].append(p["id"])
+    return {text: owners for text, owners in by_text.items() if len(owners) > 1 and set(owners) & ids
+            and not all(i.split(":")[0] in STUB_PREFIXES for i in owners)}
+
+
+def test_a_repeated_text_is_only_a_stub_that_functions_share(msh):
+    """The check above catches a pool that draws the same chat prompt twice, and a stub equal to a chat
+    prompt; it lets a stub two functions share pass."""
+    chat = {"id": "chat4:0:1", "kind": "chat", "text": "Write a riddle."}
+    stub = {"id": "code2:a.py:1", "kind": "code", "text": "def f():\n"}
+    assert _repeats_other_than_shared_stubs([chat, {**chat, "id": "chat4:0:2"}], {"chat4:0:2"})
+    assert _repeats_other_than_shared_stubs([{**stub, "text": chat["text"]}, chat], {"chat4:0:1"})
+    assert not _repeats_other_than_shared_stubs([stub, {**stub, "id": "code3:b.py:9"}], {"code3:b.py:9"})
+
+
+@pytest.mark.parametrize("prefix", ["chat3", "chat4", "chat5"])
 def test_a_fresh_chat_pool_names_no_evaluation_subject(msh, prefix):
-    """The third and fourth pools are fresh data on subjects the chat set does not ask about: every one of
-    their rows is trained on."""
+    """The third, fourth and fifth pools are fresh data on subjects the chat set does not ask about: every one
+    of their rows is trained on."""
     pool = [p for p in msh.training_prompts() if p["id"].startswith(f"{prefix}:")]
     assert len(pool) > 1400 and {p["kind"] for p in pool} == {"chat"}
     assert not [p["text"] for p in pool if msh.near_evaluation(p)]
 
 
-def test_the_fourth_pool_interleaves_code_stubs_in_humaneval_form(msh):
-    """The fourth pool's code prompts are bare stubs (HumanEval's form) of stdlib functions that no HumanEval
-    problem names and that no earlier prompt showed as a stub; code and chat alternate while both last."""
+# fewer stubs for the fourth pool than a corpus slice (the ``build`` fixture's) has functions: both the fourth
+# and the fifth pool hold some, whichever corpus a test sees
+FEW_STUBS = 50
+
+
+def _function(prompt_id: str) -> str:
+    """The stdlib function a code prompt's id names (``file:line``), whatever its form's prefix."""
+    return prompt_id.split(":", 1)[1]
+
+
+def _first_pool_stubs(full: list[dict]) -> set[str]:
+    """The functions the first pool already shows as a stub (its "Complete this Python function" form)."""
+    return {_function(p["id"]) for p in full
+            if p["id"].startswith("code:") and p["text"].startswith("Complete this Python function")}
+
+
+@pytest.mark.parametrize("stub_prefix, chat_prefix", [("code2", "chat4"), ("code3", "chat5")])
+def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, stub_prefix, chat_prefix):
+    """The fourth and fifth pools' code prompts are bare stubs (HumanEval's form) of stdlib functions that no
+    HumanEval problem names and that no earlier prompt showed as a stub; code and chat alternate while both
+    last."""
+    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
     full = msh.training_prompts()
-    pool = [p for p in full if p["id"].split(":")[0] in ("code2", "chat4")]
-    stubs = [p for p in pool if p["id"].startswith("code2:")]
-    assert 0 < len(stubs) <= msh.CODE_STUBS and {p["kind"] for p in stubs} == {"code"}   # a corpus slice here
-    assert [p["id"].split(":")[0] for p in pool[:6]] == ["code2", "chat4"] * 3
+    pool = [p for p in full if p["id"].split(":")[0] in (stub_prefix, chat_prefix)]
+    stubs = [p for p in pool if p["id"].startswith(f"{stub_prefix}:")]
+    assert stubs and {p["kind"] for p in stubs} == {"code"}
+    assert [p["id"].split(":")[0] for p in pool[:6]] == [stub_prefix, chat_prefix] * 3
     assert all(p["text"].startswith("def ") and p["text"].rstrip().endswith('"""') for p in stubs)
     names = msh.humaneval_names()
-    assert not [p for p in stubs if any(f"def {n}(" in p["text"] for n in names)]
-    earlier_stubs = {p["id"].replace("code:", "", 1) for p in full
-                     if p["id"].startswith("code:") and p["text"].startswith("Complete this Python function")}
-    assert earlier_stubs and not {p["id"].replace("code2:", "", 1) for p in stubs} & earlier_stubs
+    assert not [p for p in stubs if re.match(r"def (\w+)\(", p["text"]).group(1) in names]
+    earlier = [p for p in full[: full.index(pool[0])] if p["id"].split(":")[0] in ("code2", "code3")]
+    earlier_stubs = _first_pool_stubs(full) | {_function(p["id"]) for p in earlier}
+    assert earlier_stubs and not {_function(p["id"]) for p in stubs} & earlier_stubs
+
+
+def test_the_fourth_and_fifth_pools_stub_every_function_once(msh, monkeypatch):
+    """The fourth pool draws ``CODE_STUBS`` functions; the fifth stubs every other function the first pool did
+    not show as a stub, so together they show each such function once."""
+    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
+    full = msh.training_prompts()
+    fourth = [_function(p["id"]) for p in full if p["id"].startswith("code2:")]
+    fifth = [_function(p["id"]) for p in full if p["id"].startswith("code3:")]
+    unstubbed = {_function(p["id"]) for p in full if p["id"].startswith("code:")} - _first_pool_stubs(full)
+    assert len(fourth) == FEW_STUBS
+    assert sorted(fourth + fifth) == sorted(unstubbed)
 
 
 def test_every_chat_evaluation_prompt_names_a_topic(msh):
