@@ -28,7 +28,7 @@ HEAD = smollm2_heads(ROOT / "fixtures")["eagle3"]
 # little below the values measured when the head shipped (docs/performance.md), so a head or a loader
 # that drafts worse fails
 AGREEMENT_ROWS, AGREEMENT_TOKENS = 8, 64
-AGREEMENT_FLOOR = {"humaneval": 0.65, "chat": 0.48}   # measured 0.680 and 0.504
+AGREEMENT_FLOOR = {"humaneval": 0.67, "chat": 0.49}   # measured 0.703 and 0.520
 EAGLE3_METHODS = tuple(k for k in SMOLLM2_HEAD_METHODS if METHOD_SPECS[k].drafter == "eagle3")
 
 
