@@ -160,7 +160,7 @@ def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, 
     assert all(p["text"].startswith("def ") and p["text"].rstrip().endswith('"""') for p in stubs)
     names = msh.humaneval_names()
     assert not [p for p in stubs if re.match(r"def (\w+)\(", p["text"]).group(1) in names]
-    earlier = [p for p in full[: full.index(pool[0])] if p["id"].split(":")[0] in ("code2", "code3")]
+    earlier = [p for p in full[: full.index(pool[0])] if p["id"].split(":")[0] in STUB_PREFIXES]
     earlier_stubs = _first_pool_stubs(full) | {_function(p["id"]) for p in earlier}
     assert earlier_stubs and not {_function(p["id"]) for p in stubs} & earlier_stubs
 
