@@ -11,8 +11,9 @@ under llama.cpp's names (``blk.0.attn_q.weight``), often quantized. ``read_gguf`
   tokenizer metadata.
 
 Errors name the file: CheckpointError (a ValueError) for one that is not a readable GGUF file
-(truncated, another format) or holds an architecture other than Llama or Qwen2; ImportError naming
-the extra when the ``gguf`` package is absent.
+(truncated, another format), holds an architecture other than Llama or Qwen2, or whose head counts
+do not describe its q/k tensors (naming the metadata key); ImportError naming the extra when the
+``gguf`` package is absent.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     for tensor in reader.tensors:
         key = _hf_key(tensor.name, path)
         state[key] = _dequantized(tensor, path)
+    _check_head_rows(config, state, path, arch)
     if arch == "llama":   # llama.cpp's converter permutes Llama's q/k rows; Qwen2's it leaves alone
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         for name, n in (("q_proj", heads), ("k_proj", kv_heads)):
@@ -157,6 +159,11 @@ def _hf_config(fields: _Fields, arch: str, tensor_names: set[str]) -> dict:
     """HF ``config.json`` for the file's ``arch`` hyperparameters."""
     heads = int(fields.get(f"{arch}.attention.head_count"))
     hidden = int(fields.get(f"{arch}.embedding_length"))
+    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
+    for key, n in (("head_count", heads), ("head_count_kv", kv_heads)):
+        if n < 1:
+            raise CheckpointError(f"{fields.path}: GGUF metadata key '{arch}.attention.{key}' must be >= 1, got {n}; "
+                                  "the file is damaged: convert the model again")
     tokens = fields.get("tokenizer.ggml.tokens", None)
     vocab = fields.get(f"{arch}.vocab_size", None) or (len(tokens) if tokens is not None else None)
     if vocab is None:
@@ -174,7 +181,7 @@ def _hf_config(fields: _Fields, arch: str, tensor_names: set[str]) -> dict:
         "intermediate_size": int(fields.get(f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(fields.get(f"{arch}.block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(fields.get(f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": int(fields.get(f"{arch}.rope.dimension_count", hidden // heads)),
         "rms_norm_eps": _float32_repr(fields.get(f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": _float32_repr(fields.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -190,6 +197,25 @@ def _hf_config(fields: _Fields, arch: str, tensor_names: set[str]) -> dict:
         if token_id is not None:
             config[name] = int(token_id)
     return config
+
+
+def _check_head_rows(config: dict, state: dict[str, torch.Tensor], path: str, arch: str) -> None:
+    """Each layer's q/k projection has ``head_count`` / ``head_count_kv`` heads of ``head_dim`` rows;
+    CheckpointError naming the file, the metadata key and the tensor otherwise (metadata that does not
+    describe the tensors would fail as a reshape deep inside the load)."""
+    head_dim = config["head_dim"]
+    for name, heads_key, gguf_name in (("q_proj", "num_attention_heads", "attn_q"),
+                                       ("k_proj", "num_key_value_heads", "attn_k")):
+        n = config[heads_key]
+        key = f"{arch}.attention.{'head_count' if name == 'q_proj' else 'head_count_kv'}"
+        for i in range(config["num_hidden_layers"]):
+            w = state.get(f"model.layers.{i}.self_attn.{name}.weight")
+            if w is not None and w.shape[0] != n * head_dim:
+                raise CheckpointError(
+                    f"{path}: GGUF metadata key {key!r} = {n} heads of {head_dim} rows (head_dim: "
+                    f"{arch}.rope.dimension_count, else embedding_length / head_count) make {n * head_dim} rows, "
+                    f"but tensor blk.{i}.{gguf_name}.weight has {w.shape[0]}: the file's metadata does not "
+                    "describe its tensors; convert the model again")
 
 
 def _hf_key(name: str, path: str) -> str:

@@ -30,8 +30,9 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_lay
                "mlp.down_proj.weight": "ffn_down.weight"}
 
 
-def write_gguf(path, hf_dir, *, arch: str = "llama") -> None:
-    """Write the HF checkpoint ``hf_dir`` (a Llama) as a float32 GGUF file, as llama.cpp's converter does."""
+def write_gguf(path, hf_dir, *, arch: str = "llama", head_counts: tuple[int, int] | None = None) -> None:
+    """Write the HF checkpoint ``hf_dir`` (a Llama) as a float32 GGUF file, as llama.cpp's converter does;
+    ``head_counts``: the (head_count, head_count_kv) its metadata states instead of the checkpoint's."""
     cfg = read_config(hf_dir)
     state = load_state_dict(hf_dir)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -40,8 +41,8 @@ def write_gguf(path, hf_dir, *, arch: str = "llama") -> None:
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    w.add_head_count((head_counts or (heads, kv_heads))[0])
+    w.add_head_count_kv((head_counts or (heads, kv_heads))[1])
     w.add_rope_dimension_count(cfg["head_dim"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -125,6 +126,21 @@ def test_unsupported_architecture_names_it_and_the_file(tmp_path, safespec_tiny_
     path = tmp_path / "other.gguf"
     write_gguf(path, safespec_tiny_target_path, arch="gpt2")
     with pytest.raises(CheckpointError, match=r"other\.gguf.*'gpt2' is not supported"):
+        Transformer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("head_counts, key", [((5, 2), "head_count"), ((6, 3), "head_count_kv"),
+                                              ((3, 1), "head_count"), ((0, 2), "head_count")],
+                         ids=["q-rows-not-divided", "k-rows-not-divided", "q-rows-divided-wrongly", "zero"])
+def test_head_counts_that_do_not_fit_the_rows_name_the_file_and_key(tmp_path, safespec_tiny_target_path,
+                                                                   head_counts, key):
+    """The tiny target's q/k projections have 6 x 32 and 2 x 32 rows: metadata stating other head counts
+    (dividing the rows or not) is a CheckpointError naming the file and the key, before any reshape."""
+    path = tmp_path / "heads.gguf"
+    write_gguf(path, safespec_tiny_target_path, head_counts=head_counts)
+    with pytest.raises(CheckpointError, match=rf"heads\.gguf.*'llama\.attention\.{key}'"):
+        read_gguf(path)
+    with pytest.raises(CheckpointError, match=rf"heads\.gguf.*'llama\.attention\.{key}'"):
         Transformer.from_pretrained(path)
 
 
