@@ -19,7 +19,8 @@ Rules (the same in every subcommand):
   typo, not two methods, and a repeated method or dtype would be measured twice under one key;
 * ``--device`` (``device``): ``auto``, ``cpu`` (no index: there is one CPU device) or ``cuda[:N]`` with a
   present ``N``;
-* ``--json`` (``new_file``): a file whose directory exists, checked before the run it would end;
+* ``--json`` (``new_file``): a file whose directory exists and that can be written, checked before the run it
+  would end (a device such as ``/dev/full`` fails only on writing: exit 2 naming ``--json``, the results printed);
 * ``--out`` (``out_dir``): a non-empty path (an empty one would write into the working directory); a file
   the run writes there must not be a directory (``config.check_out_dir``), checked before the run.
 
@@ -178,13 +179,27 @@ def out_dir(text: str) -> Path:
 
 
 def new_file(text: str) -> Path:
-    """An argparse type: a path to write a file at the end of a run; its directory must exist and it must not
-    be a directory, so that a typo fails before the run instead of after it."""
+    """An argparse type: a path to write a file at the end of a run; its directory must exist, it must not
+    be a directory, and the file (when it is a regular one) or its directory must take a write, so that a
+    typo or a read-only place fails before the run instead of after it. A device (``/dev/full``) is known
+    only on writing: the command catches that error."""
+    import tempfile
+
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text}: no directory {path.parent}")
+    try:
+        if path.is_file():   # opened for appending, closed at once: its contents stay
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        elif not path.exists():
+            # os.access says yes to root even on a read-only mount: write a file to know
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot write there ({e.strerror or e}); give a writable "
+                                         "path") from None
     return path
 
 

@@ -38,7 +38,7 @@ import torch
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_dtype_arg, add_input_args, add_run_args,
                                     add_threads_arg, input_paths, new_file, nonneg_float, nonneg_int, positive_int)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, METHOD_SPECS, BenchConfig, BenchInputError,
-                                      default_dtype_name, load_prompts)
+                                      check_room, default_dtype_name, load_prompts)
 from spec_decode.bench.machine import sync, torch_threads
 
 AR_STEP = "ar_step"
@@ -388,14 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_device_arg(p)
     p.add_argument("--verify-tokens", type=positive_int, default=None, metavar="N",
                    help="instead of a method's split: the cost of one N-token verify forward of the target in "
-                        "one-token steps (--method is then not used)")
+                        "one-token steps (--method is then not used); the longest prompt plus N must fit the "
+                        "target's max_position_embeddings")
     p.add_argument("--suite", choices=("smollm2",), default=None,
                    help="smollm2: the real model's cached target and its chat prompts instead of --target and "
                         "--prompts")
     p.add_argument("--cprofile", type=nonneg_int, default=0, metavar="N",
                    help="also print the top N functions by own time, from a separate cProfile pass (0: none)")
     p.add_argument("--json", type=new_file, default=None,
-                   help="also write the split to this JSON file (its directory must exist)")
+                   help="also write the split to this JSON file (checked writable before the run)")
     add_compile_arg(p)
     return p
 
@@ -438,23 +439,33 @@ def main(argv: list[str] | None = None) -> int:
                  f"temperature {args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
                  f"{torch.get_num_threads()} thread(s)")
         print(format_split(title, split))
-        if args.json is not None:
-            try:   # a full disk or /dev/full is known only on writing; the split is printed above
-                args.json.write_text(json.dumps({"method": args.method, "config": spec.describe(), "dtype": dtype,
-                                                 "temperature": args.temperature, "num_prompts": len(prompts),
-                                                 "max_new_tokens": args.max_new_tokens, **split}, indent=2))
-            except OSError as e:
-                p.error(f"--json {args.json}: cannot write it ({e.strerror or e})")
+        write_json(p, args.json, {"method": args.method, "config": spec.describe(), "dtype": dtype,
+                                  "temperature": args.temperature, "num_prompts": len(prompts),
+                                  "max_new_tokens": args.max_new_tokens, **split})
         if args.cprofile > 0:
             print(cprofile_top(runner.decoder, prompts, args.max_new_tokens, args.cprofile,
                                temperature=args.temperature, seed=cfg.seed))
     return 0
 
 
+def write_json(p: argparse.ArgumentParser, path, data: dict) -> None:
+    """Write ``data`` to ``--json`` ``path`` (None: nothing). A full disk or ``/dev/full`` is known only on
+    writing: then the JSON goes to stdout, so that nothing measured is lost, and the command exits with
+    status 2 naming ``--json``."""
+    if path is None:
+        return
+    text = json.dumps(data, indent=2)
+    try:
+        path.write_text(text)
+    except OSError as e:
+        print(text)
+        p.error(f"--json {path}: cannot write it ({e.strerror or e}); the results are printed above")
+
+
 def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--verify-tokens N``: ``verify_cost`` over the prompts, printed (and written to ``--json``)."""
     from spec_decode.bench.methods import ModelCache
-    from spec_decode.bench.harness import check_inputs
+    from spec_decode.bench.harness import check_models
 
     try:
         device = args.device
@@ -462,8 +473,11 @@ def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
         cfg = BenchConfig(**input_paths(args), methods=("ar",), num_prompts=args.num_prompts,
                           max_new_tokens=args.verify_tokens, dtypes=(dtype,), threads=args.threads,
                           device=str(device), nan_rounds=0)
-        vocab = check_inputs(cfg, ("ar",))
-        prompts = load_prompts(cfg.prompts, cfg.num_prompts, vocab)[:cfg.num_prompts]
+        config = check_models(cfg.target, {})
+        prompts = load_prompts(cfg.prompts, cfg.num_prompts, config.vocab_size)
+        # a block of N rows after the longest prompt (the warm-up one included) must fit the positions
+        check_room(args.verify_tokens, config.max_position_embeddings, prompts, option="--verify-tokens")
+        prompts = prompts[:cfg.num_prompts]
         target = ModelCache(cfg, dtype, device).get("target")
     except ValueError as e:
         p.error(str(e))
@@ -474,8 +488,7 @@ def _verify_cost_main(p: argparse.ArgumentParser, args: argparse.Namespace) -> i
     print(f"{cfg.target.name}, {dtype}, {threads} thread(s), {len(prompts)} prompts: one "
           f"{args.verify_tokens}-token verify forward {cost['block_ms']:.2f} ms = {cost['block_ar_steps']:.3f} "
           f"one-token steps ({cost['one_token_ms']:.2f} ms)")
-    if args.json is not None:
-        args.json.write_text(json.dumps({"target": str(cfg.target), "dtype": dtype, **cost}, indent=2))
+    write_json(p, args.json, {"target": str(cfg.target), "dtype": dtype, **cost})
     return 0
 
 

@@ -182,6 +182,11 @@ PROBES = {
     "temperatures_zero_twice_in_float32": ("", lambda fx, t: ["--temperatures", "0,1e-46"], "--temperatures"),
     "temperatures_past_float32": ("", lambda fx, t: ["--temperatures", "1e39"], "--temperatures"),
     "profile_temperature_past_float32": ("profile", lambda fx, t: ["--temperature", "1e39"], "--temperature"),
+    # issue 67 (hostile probes, round 4)
+    "profile_verify_tokens_past_positions": ("profile", lambda fx, t: ["--verify-tokens", "1000000"],
+                                             "--verify-tokens"),
+    "profile_json_in_a_directory_that_takes_no_file": ("profile", lambda fx, t: ["--json", "/proc/split.json"],
+                                                       "--json"),
 }
 
 
@@ -361,6 +366,35 @@ def test_profile_json_that_cannot_be_written_exits_2_naming_it(fx, capsys):
     assert "Traceback" not in captured.err
     assert "--json /dev/full" in captured.err.strip().splitlines()[-1]
     assert "verify_forward" in captured.out   # the split it measured was printed before the write failed
+
+
+def test_profile_verify_tokens_json_that_cannot_be_written_exits_2_keeping_the_result(fx, capsys):
+    """``--verify-tokens`` with a ``--json`` that fails only on writing: exit 2 naming ``--json``, no
+    traceback, and what was measured printed (the line and the JSON) so that nothing is lost."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    inputs = [str(a) for a in _inputs(fx)]
+    with pytest.raises(SystemExit) as exc:
+        main(["profile"] + inputs + ["--num-prompts", "1", "--verify-tokens", "2", "--threads", "1",
+                                     "--json", "/dev/full"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "--json /dev/full" in captured.err.strip().splitlines()[-1]
+    assert "2-token verify forward" in captured.out
+    assert json.loads(captured.out[captured.out.index("{"):])["block_tokens"] == 2
+
+
+def test_profile_verify_tokens_past_positions_names_it_and_its_bound(fx, capsys, no_work):
+    """The user passed ``--verify-tokens``, not ``--max-new-tokens``: the message names the option typed
+    and how many tokens fit after the longest prompt read (the measured one and the warm-up)."""
+    inputs = [str(a) for a in _inputs(fx)]
+    with pytest.raises(SystemExit) as exc:
+        main(["profile"] + inputs + ["--num-prompts", "1", "--verify-tokens", "1000000"])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--verify-tokens 1000000" in line and "--max-new-tokens" not in line, line
+    assert f"at most {POSITIONS - max(PROMPT_LENGTHS[:2])} fit" in line, line
 
 
 def test_a_temperature_that_is_0_in_float32_is_greedy_on_the_command_line():
