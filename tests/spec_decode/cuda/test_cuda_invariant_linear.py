@@ -27,15 +27,68 @@ def _operands(M, K, N, dtype, bias=True, seed=0):
     return x, w, b
 
 
+ROW_SETS = (slice(0, 1), slice(5, 6), slice(15, 17), slice(3, 9), slice(20, 37))   # tile edges crossed
+
+
+def assert_rows_do_not_depend_on_the_batch(linear, x, w, b):
+    """Each row of ``linear(x, w, b)`` has the same bits alone, in sub-batches across tile edges and permuted."""
+    full = linear(x, w, b)
+    for rows in ROW_SETS:
+        assert torch.equal(linear(x[rows], w, b), full[rows]), f"rows {rows} differ from the full batch"
+    perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1)).to(x.device)
+    assert torch.equal(linear(x[perm], w, b), full[perm]), "a permuted batch differs"
+
+
+def assert_same_bits(got, want):
+    """Equal bits, NaN included (the same places; a NaN's payload is not compared)."""
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.where(got.isnan(), 0, got), torch.where(want.isnan(), 0, want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("K,N", [(40, 70), (96, 64), (7, 5)])
+@pytest.mark.parametrize("K,N", [(40, 70), (96, 64), (7, 5), (33, 129)])
 def test_a_rows_bits_do_not_depend_on_the_batch(kernel, dtype, K, N):
-    x, w, b = _operands(37, K, N, dtype)
-    full = kernel.invariant_linear(x, w, b)
-    for rows in (slice(0, 1), slice(5, 6), slice(15, 17), slice(3, 9), slice(20, 37)):   # tile edges crossed
-        assert torch.equal(kernel.invariant_linear(x[rows], w, b), full[rows])
-    perm = torch.randperm(37, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    assert torch.equal(kernel.invariant_linear(x[perm], w, b), full[perm])
+    assert_rows_do_not_depend_on_the_batch(kernel.invariant_linear, *_operands(37, K, N, dtype))
+
+
+def _split_k_when_batched(kernel):
+    """A mutant: split-K picked by the row count (as cuBLAS does), each half in k order, the halves then added."""
+    def linear(x, w, b):
+        if x.shape[0] <= kernel.BLOCK_M:
+            return kernel.invariant_linear_ordered_reference(x, w, b)
+        h = w.shape[1] // 2
+        lo = kernel.invariant_linear_ordered_reference(x[:, :h].float(), w[:, :h].float())
+        hi = kernel.invariant_linear_ordered_reference(x[:, h:].float(), w[:, h:].float(), b)
+        return (lo + hi).to(x.dtype)
+    return linear
+
+
+def _order_by_place_in_tile(kernel):
+    """A mutant: a row's k order follows its place in the tile (as a BLAS micro-kernel's edge rows can)."""
+    def linear(x, w, b):
+        rev = kernel.invariant_linear_ordered_reference(x.flip(-1), w.flip(-1), b)
+        fwd = kernel.invariant_linear_ordered_reference(x, w, b)
+        odd = (torch.arange(x.shape[0], device=x.device) % kernel.BLOCK_M % 2 == 1)[:, None]
+        return torch.where(odd, rev, fwd)
+    return linear
+
+
+@pytest.mark.parametrize("mutant", [_split_k_when_batched, _order_by_place_in_tile])
+def test_the_invariance_test_catches_a_kernel_whose_order_follows_the_batch(kernel, mutant):
+    with pytest.raises(AssertionError):
+        assert_rows_do_not_depend_on_the_batch(mutant(kernel), *_operands(37, 96, 64, torch.float32))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's written-out dot product; a GPU runs tl.dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (37, 40, 70), (17, 7, 5), (3, 33, 129), (16, 64, 64)])
+def test_the_interpreted_kernel_has_its_ordered_references_bits(kernel, dtype, M, K, N):
+    x, w, b = _operands(M, K, N, dtype)
+    x[0, 0] = float("nan")
+    x[-1, -1] = float("inf")
+    w[N // 2, K // 2] = float("-inf")
+    assert_same_bits(kernel.invariant_linear(x, w, b), kernel.invariant_linear_ordered_reference(x, w, b))
+    assert_same_bits(kernel.invariant_linear(x, w), kernel.invariant_linear_ordered_reference(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
