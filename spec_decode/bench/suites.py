@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spec_decode.bench.args import csv_list, nonneg_float, positive_int, seed
+from spec_decode.bench.args import add_threads_arg, csv_list, nonneg_float, positive_int, seed
 from spec_decode.bench.config import (BENCH_DTYPES, METHOD_KEYS, METHOD_SPECS, BenchConfig, BenchInputError,
                                      default_fixtures_dir)
 
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=SMOLLM2_MAX_NEW_TOKENS)
     p.add_argument("--temperatures", type=csv_list(nonneg_float), default=(0.0, 1.0), help="default 0,1")
     p.add_argument("--dtype", type=csv_list(choices=BENCH_DTYPES), default=("fp32", "bf16"), help="default fp32,bf16")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    add_threads_arg(p, default=1)
     p.add_argument("--seed", type=seed, default=0)
     heads = smollm2_heads(fx)
     p.add_argument("--eagle", type=Path, default=heads["eagle"], help="EAGLE-1/2 head for SmolLM2")
@@ -65,10 +65,26 @@ def default_methods(eagle: Path, eagle3: Path) -> tuple[str, ...]:
                                         if Path(heads[METHOD_SPECS[k].drafter]).is_dir())
 
 
+def check_suite_methods(methods) -> None:
+    """BenchInputError naming ``--methods`` for a method whose drafter the suite cannot be given: it takes
+    ``--eagle`` and ``--eagle3``, no draft LM (``--draft-lm``; SmolLM2 has no smaller sibling here)."""
+    heads = smollm2_heads().keys()
+    unserved = [k for k in methods if METHOD_SPECS[k].drafter not in (None, *heads)]
+    if unserved:
+        raise BenchInputError(f"--methods: {','.join(unserved)} need a draft LM, which --suite smollm2 does not "
+                              "take; drop them, or run them without --suite: spec-bench --target DIR --draft-lm "
+                              "DIR --methods ...")
+
+
 def main(argv: list[str]) -> int:
     """Run the suite; returns the exit code (2 with one line naming the option or the extra on bad input)."""
     p = build_parser()
     args = p.parse_args(argv)
+    if args.methods:
+        try:
+            check_suite_methods(args.methods)
+        except BenchInputError as e:
+            p.error(str(e))
     from spec_decode.bench.machine import torch_threads
     from spec_decode.bench.prompt_sets import smollm2_prompt_file
     from spec_decode.bench.harness import run_bench, write_results

@@ -397,6 +397,33 @@ def test_profile_verify_tokens_past_positions_names_it_and_its_bound(fx, capsys,
     assert f"at most {POSITIONS - max(PROMPT_LENGTHS[:2])} fit" in line, line
 
 
+@pytest.fixture
+def no_suite_work(monkeypatch):
+    """Make the suite's first step (the real model's cached target) raise WorkStarted."""
+    from spec_decode import fixtures
+
+    def refuse():
+        raise WorkStarted("the suite started before the bad value was rejected")
+
+    monkeypatch.setattr(fixtures, "smollm2_target_dir", refuse)
+
+
+@pytest.mark.parametrize("bad, option, says", [
+    (["--threads", "1000"], "--threads", "at most"),   # bounded as in every other subcommand
+    (["--methods", "ar,hf_assisted"], "--methods", "--suite smollm2 does not take"),
+    (["--methods", "draft_chain"], "--methods", "--suite smollm2 does not take"),
+], ids=["threads_past_the_cpus", "hf_assisted", "draft_chain"])
+def test_suite_bad_value_exits_2_naming_the_option_before_any_work(tmp_path, capsys, no_suite_work, bad, option,
+                                                                    says):
+    """``--suite smollm2`` bounds ``--threads`` by the CPUs as plain ``spec-bench`` does, and refuses a method
+    that needs a draft LM up front, saying that the suite takes none (it has no ``--draft-lm`` to pass)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--suite", "smollm2", "--out", str(tmp_path / "out"), *bad])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(re.escape(option) + r"(?![\w-])", line) and says in line, line
+
+
 def test_a_temperature_that_is_0_in_float32_is_greedy_on_the_command_line():
     """``1e-46`` is 0 in float32, as the library holds temperatures: the CLI takes it as 0 (greedy), so the
     bench neither seeds it nor asks HF to sample, and ``profile`` reports temperature 0."""
