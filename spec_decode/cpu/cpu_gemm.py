@@ -22,9 +22,11 @@ loop, which streams those faster); elsewhere 8 lanes (AVX2). The lanes run acros
 outputs, never along k, so both paths give the same bits (``isa``, ``set_isa``).
 
 The C source (``cpu_gemm.c``) is compiled with the system C compiler (``$CC``, else Python's, else
-``cc``) into ``$SAFESPEC_CACHE_DIR`` (default ``~/.cache/safespec``; a per-user temporary directory
-when that is not writable) the first time it is needed, about a second; nothing is downloaded.
-A new build prunes the directory to the four most recently used builds.
+``cc``) into safespec's cache, ``$SAFESPEC_CACHE`` (``spec_decode.disk_cache``; default
+``~/.cache/safespec``; a per-user temporary directory when it cannot be written, with a warning when
+``$SAFESPEC_CACHE`` named it), the first time it is needed, about a second; nothing is downloaded.
+The older ``$SAFESPEC_CACHE_DIR`` still names the cache, with a DeprecationWarning. A new build
+prunes the directory to the four most recently used builds, and removes those a killed build left.
 Without a compiler, on a CPU without AVX2 and FMA, or with ``SAFESPEC_PANEL_GEMM=0``,
 ``available()`` is False and ``Linear`` keeps its other paths (one warning says why the build
 failed).
@@ -46,6 +48,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from spec_decode import disk_cache
 
 PANEL = 16          # output columns per packed panel (two AVX2 registers)
 # The kernel runs on one thread. Up to these row counts it beat MKL on every shipped shape, with one
@@ -256,16 +260,15 @@ def _compiler() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    """``$SAFESPEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/safespec`` or ``~/.cache/safespec``, created; a
-    per-user temporary directory when that one cannot be (a read-only home)."""
-    root = Path(os.environ.get("SAFESPEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "safespec"))
+    """Safespec's cache root (``disk_cache.make_cache_dir``: ``$SAFESPEC_CACHE``), created; a per-user
+    temporary directory when it cannot be: silently for the default (a read-only home), with a warning
+    naming the variable when one was set."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        if os.access(root, os.W_OK):
-            return root
-    except OSError:
-        pass
+        return disk_cache.make_cache_dir()
+    except disk_cache.CacheDirError as err:
+        if os.environ.get(disk_cache.CACHE_ENV) or os.environ.get(disk_cache.LEGACY_CACHE_ENV):
+            warnings.warn(f"{err}; the CPU kernel is built in a temporary directory meanwhile", RuntimeWarning,
+                          stacklevel=4)
     fallback = Path(tempfile.gettempdir()) / f"safespec-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
     fallback.mkdir(parents=True, exist_ok=True)
     return fallback
@@ -281,8 +284,10 @@ def _build() -> Path:
     if lib.exists():
         _touch(lib)   # recently used: the pruning keeps it
         return lib
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
+    disk_cache.remove_stale_temporaries(out_dir, "cpu_gemm")
+    # a fresh name, not mkstemp: the linker keeps an existing file's owner-only mode, and the others
+    # sharing the cache could not load the build; a new file gets the user's umask
+    tmp = str(out_dir / disk_cache.temporary_name("cpu_gemm", ".so"))
     try:
         subprocess.run([*cmd, *_CFLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
                        timeout=_BUILD_TIMEOUT_S)

@@ -176,7 +176,7 @@ def fresh_kernel():
 def test_a_failed_build_warns_and_linear_falls_back(monkeypatch, tmp_path, fresh_kernel):
     from spec_decode.cpu import Linear
 
-    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.warns(RuntimeWarning, match="panel kernel could not be built"):
         assert not cpu_gemm.available()
@@ -196,7 +196,7 @@ def test_a_broken_compiler_is_reported_with_its_message(monkeypatch, tmp_path, f
     cc = tmp_path / "cc"
     cc.write_text("#!/bin/sh\necho 'cc: fatal error: no input' >&2\nexit 1\n")
     cc.chmod(0o755)
-    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
     with pytest.warns(RuntimeWarning, match="fatal error: no input"):
         assert not cpu_gemm.available()
@@ -210,7 +210,7 @@ def test_the_switch_turns_the_kernel_off(monkeypatch, fresh_kernel):
 
 @pytest.mark.slow
 def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
-    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path))
     assert cpu_gemm.available()
     built = list(tmp_path.glob("cpu_gemm-*.so"))
     assert len(built) == 1
@@ -227,7 +227,7 @@ def test_a_build_is_reused_from_the_cache(monkeypatch, tmp_path, fresh_kernel):
 def test_a_new_build_prunes_all_but_the_most_recently_used_ones(monkeypatch, tmp_path, fresh_kernel):
     import os
 
-    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path))
     old = [tmp_path / f"cpu_gemm-old{i}.so" for i in range(6)]
     for i, path in enumerate(old):
         path.write_bytes(b"stale")
@@ -244,15 +244,99 @@ def test_a_new_build_prunes_all_but_the_most_recently_used_ones(monkeypatch, tmp
 
 
 @pytest.mark.slow
-def test_an_unwritable_cache_directory_falls_back_to_a_temporary_one(monkeypatch, tmp_path, fresh_kernel):
+def test_an_unwritable_default_cache_falls_back_to_a_temporary_directory_silently(monkeypatch, tmp_path,
+                                                                                  fresh_kernel):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(blocked / "cache"))   # cannot be created under a file
+    monkeypatch.delenv("SAFESPEC_CACHE", raising=False)
+    monkeypatch.delenv("SAFESPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))   # a read-only home, as it were
     monkeypatch.setattr(cpu_gemm.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert cpu_gemm.available()
     assert list((tmp_path / "tmp").glob("safespec-*/cpu_gemm-*.so"))
+
+
+# ------------------------------------------------------------------ the cache ($SAFESPEC_CACHE, spec_decode.disk_cache)
+def _fake_compiler(tmp_path) -> str:
+    """A C compiler that writes an empty file where ``-o`` says (the cache's paths, without compiling)."""
+    cc = tmp_path / "fake-cc"
+    cc.write_text('#!/bin/sh\nwhile [ "$#" -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cc.chmod(0o755)
+    return str(cc)
+
+
+def _not_loadable_warning(record) -> None:
+    assert any(w.category is RuntimeWarning and "could not be built" in str(w.message) for w in record)
+
+
+def test_an_unusable_cache_variable_is_named_and_the_build_falls_back(monkeypatch, tmp_path, fresh_kernel):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("SAFESPEC_CACHE", str(blocked))
+    monkeypatch.setenv("CC", _fake_compiler(tmp_path))
+    monkeypatch.setattr(cpu_gemm.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cpu_gemm.available()
+    assert any(w.category is RuntimeWarning and "($SAFESPEC_CACHE): a file is there" in str(w.message)
+               and "set $SAFESPEC_CACHE to a directory you can write" in str(w.message) for w in record)
+    assert list((tmp_path / "tmp").glob("safespec-*/cpu_gemm-*.so"))
+
+
+def test_the_older_variable_still_names_the_kernels_cache(monkeypatch, tmp_path, fresh_kernel):
+    monkeypatch.delenv("SAFESPEC_CACHE", raising=False)
+    monkeypatch.setenv("SAFESPEC_CACHE_DIR", str(tmp_path / "legacy"))
+    monkeypatch.setenv("CC", _fake_compiler(tmp_path))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cpu_gemm.available()
+    assert any(w.category is DeprecationWarning and "SAFESPEC_CACHE_DIR is deprecated" in str(w.message)
+               for w in record)
+    _not_loadable_warning(record)
+    assert list((tmp_path / "legacy").glob("cpu_gemm-*.so"))
+
+
+def test_a_killed_builds_temporary_is_removed_by_the_next_build(monkeypatch, tmp_path, fresh_kernel):
+    import os
+    import subprocess
+    import sys
+
+    from spec_decode import disk_cache
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    host = disk_cache.temporary_name("cpu_gemm").split(".")[2]
+    left = tmp_path / f".cpu_gemm-tmp.{host}.{dead}.0badcafe.so"
+    left.write_bytes(b"half a library")
+    live = tmp_path / disk_cache.temporary_name("cpu_gemm", ".so")   # this process's: a build under way
+    live.write_bytes(b"being written")
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", _fake_compiler(tmp_path))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        cpu_gemm.available()
+    _not_loadable_warning(record)
+    assert not left.exists() and live.exists()
+
+
+@pytest.mark.slow
+def test_the_kernel_is_built_into_safespec_cache_with_the_users_umask(monkeypatch, tmp_path, fresh_kernel):
+    import os
+    import stat
+
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SAFESPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    old = os.umask(0o022)
+    try:
+        assert cpu_gemm.available()
+    finally:
+        os.umask(old)
+    built = list((tmp_path / "cache").glob("cpu_gemm-*.so"))
+    assert len(built) == 1 and not (tmp_path / "xdg").exists()
+    assert stat.S_IMODE(built[0].stat().st_mode) & 0o044 == 0o044   # the others sharing the cache can load it
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 192, 5), (3, 7, 17), (7, 65, 31), (13, 19, 100)])
