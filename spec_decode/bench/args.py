@@ -203,16 +203,50 @@ def new_file(text: str) -> Path:
     return path
 
 
+def target_checkpoint(text: str) -> Path:
+    """An argparse type: ``--target``'s path. A ``.gguf`` file (Llama or Qwen2) is converted once into
+    safespec's cache (``spec_decode.models.gguf.save_gguf_as_hf_dir``, written as the real model's is, by
+    ``disk_cache.convert_once``) and that directory is returned, so that every check, our decoders and
+    transformers' methods read one HF-layout checkpoint; anything else is returned as given (checked later)."""
+    import hashlib
+
+    from spec_decode.models.gguf import is_gguf_file, save_gguf_as_hf_dir
+
+    path = Path(text)
+    if not is_gguf_file(path):
+        return path
+    from spec_decode.disk_cache import convert_once
+
+    key = hashlib.sha256(os.fspath(path.resolve()).encode()).hexdigest()[:16]   # one entry per file
+    try:
+        return convert_once(path.resolve(), f"gguf-{path.stem}-{key}", save_gguf_as_hf_dir)
+    except (ValueError, OSError, ImportError) as e:   # CheckpointError, a missing file, the cache, no gguf
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+
+
+def drafter_checkpoint(text: str) -> Path:
+    """An argparse type: a drafter's checkpoint directory; an existing file (a ``.gguf`` one especially) is
+    an error saying what it can be used as (a missing path is not: its methods are skipped)."""
+    from spec_decode.models.checkpoint import GGUF_HINT
+
+    path = Path(text)
+    if path.is_file():
+        hint = GGUF_HINT if path.suffix.lower() == ".gguf" else "give the directory that holds config.json"
+        raise argparse.ArgumentTypeError(f"{text} is a file; a drafter loads from a checkpoint directory: {hint}")
+    return path
+
+
 # ---------------------------------------------------------------------- shared options
 def add_input_args(p: argparse.ArgumentParser) -> None:
     """The checkpoint and prompt options of ``spec-bench`` and its model-running subcommands (defaults: the
     shipped fixtures). Their contents are checked before any model loads (``run.check_inputs``)."""
     fx = default_fixtures_dir()
-    p.add_argument("--target", type=Path, default=fx / TARGET_SUBDIR, help="HF-layout target checkpoint")
-    p.add_argument("--draft-lm", type=Path, default=fx / DRAFT_SUBDIR,
+    p.add_argument("--target", type=target_checkpoint, default=fx / TARGET_SUBDIR,
+                   help="target checkpoint: a HF-layout directory, or a .gguf file (converted once into the cache)")
+    p.add_argument("--draft-lm", type=drafter_checkpoint, default=fx / DRAFT_SUBDIR,
                    help="plain draft LM (draft_chain, hf_assisted)")
-    p.add_argument("--eagle", type=Path, default=fx / EAGLE_SUBDIR, help="EAGLE-1/2 head")
-    p.add_argument("--eagle3", type=Path, default=fx / EAGLE3_SUBDIR, help="EAGLE-3 head (optional)")
+    p.add_argument("--eagle", type=drafter_checkpoint, default=fx / EAGLE_SUBDIR, help="EAGLE-1/2 head")
+    p.add_argument("--eagle3", type=drafter_checkpoint, default=fx / EAGLE3_SUBDIR, help="EAGLE-3 head (optional)")
     p.add_argument("--prompts", type=Path, default=fx / PROMPTS_FILE, help="JSONL with 'token_ids' per line")
 
 

@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from spec_decode.bench.args import add_threads_arg, csv_list, nonneg_float, positive_int, seed
+from spec_decode.bench.args import add_threads_arg, csv_list, drafter_checkpoint, nonneg_float, positive_int, seed
 from spec_decode.bench.config import (BENCH_DTYPES, METHOD_KEYS, METHOD_SPECS, BenchConfig, BenchInputError,
                                      default_fixtures_dir)
 
@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(p, default=1)
     p.add_argument("--seed", type=seed, default=0)
     heads = smollm2_heads(fx)
-    p.add_argument("--eagle", type=Path, default=heads["eagle"], help="EAGLE-1/2 head for SmolLM2")
-    p.add_argument("--eagle3", type=Path, default=heads["eagle3"], help="EAGLE-3 head for SmolLM2")
+    p.add_argument("--eagle", type=drafter_checkpoint, default=heads["eagle"], help="EAGLE-1/2 head for SmolLM2")
+    p.add_argument("--eagle3", type=drafter_checkpoint, default=heads["eagle3"], help="EAGLE-3 head for SmolLM2")
     p.add_argument("--out", type=Path, default=Path("bench_out/smollm2"), help="default bench_out/smollm2")
     p.add_argument("--no-progress", action="store_true")
     return p

@@ -48,12 +48,22 @@ def _read_json_object(file: str, what: str) -> dict:
     return data
 
 
+GGUF_HINT = ("a .gguf file loads only as a target (Transformer.from_pretrained, SpecDecoder.from_pretrained's "
+             "target_path, spec-bench --target); convert it to a checkpoint directory with "
+             "spec_decode.models.gguf.save_gguf_as_hf_dir to use it elsewhere")
+"""What a GGUF file given where a checkpoint directory is read (a drafter) can do instead."""
+
+
 def check_local_dir(path: str | os.PathLike) -> str:
     """``path`` as a string; FileNotFoundError naming it, and saying that checkpoints load from local
-    directories only, when it is not a directory on this machine (a Hub id such as ``org/model``)."""
+    directories only, when it is not a directory on this machine (a Hub id such as ``org/model``);
+    CheckpointError naming it when it is a file (a ``.gguf`` one: what such a file loads as, ``GGUF_HINT``)."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"a checkpoint path must be a str or os.PathLike, got {type(path).__name__}")
     path = os.fspath(path)
+    if os.path.isfile(path):
+        hint = GGUF_HINT if path.lower().endswith(".gguf") else "pass the directory that holds config.json"
+        raise CheckpointError(f"{path!r} is a file, not a checkpoint directory (config.json and weights): {hint}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory not found: {path!r}. safespec loads checkpoints from local "
                                 "directories only (nothing is downloaded): download the checkpoint first and "

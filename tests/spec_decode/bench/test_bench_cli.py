@@ -75,6 +75,12 @@ def _file(tmp: Path) -> Path:
     return path
 
 
+def _gguf(tmp: Path) -> Path:
+    path = tmp / "model.gguf"
+    path.write_text("a file where a checkpoint directory goes")
+    return path
+
+
 def _inputs(fx: Path) -> list:
     m = fx / "models"
     return ["--target", m / "tiny-target", "--eagle", m / "tiny-eagle", "--prompts", fx / "prompts.jsonl"]
@@ -187,6 +193,9 @@ PROBES = {
                                              "--verify-tokens"),
     "profile_json_in_a_directory_that_takes_no_file": ("profile", lambda fx, t: ["--json", "/proc/split.json"],
                                                        "--json"),
+    "eagle_a_gguf_file": ("", lambda fx, t: ["--eagle", _gguf(t)], "--eagle"),
+    "draft_lm_a_file": ("", lambda fx, t: ["--draft-lm", _file(t)], "--draft-lm"),
+    "tune_eagle3_a_gguf_file": ("tune", lambda fx, t: ["--eagle3", _gguf(t)], "--eagle3"),
 }
 
 
@@ -395,6 +404,26 @@ def test_profile_verify_tokens_past_positions_names_it_and_its_bound(fx, capsys,
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "--verify-tokens 1000000" in line and "--max-new-tokens" not in line, line
     assert f"at most {POSITIONS - max(PROMPT_LENGTHS[:2])} fit" in line, line
+
+
+def test_a_gguf_drafter_says_what_a_gguf_file_loads_as(fx, tmp_path, capsys, no_work):
+    """The file exists: the message says a GGUF file loads only as a target, not that a directory is
+    missing (nor that its methods were skipped)."""
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in _base("", fx, tmp_path)] + ["--eagle", str(_gguf(tmp_path))])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--eagle" in line and "is a file" in line and "only as a target" in line, line
+
+
+def test_a_gguf_target_that_is_not_gguf_exits_2_naming_target(fx, tmp_path, capsys, monkeypatch, no_work):
+    monkeypatch.setenv("SAFESPEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in _base("", fx, tmp_path)] + ["--target", str(_gguf(tmp_path))])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "--target" in line and "not a readable GGUF file" in line, line
 
 
 @pytest.fixture

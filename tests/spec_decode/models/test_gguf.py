@@ -144,6 +144,44 @@ def test_head_counts_that_do_not_fit_the_rows_name_the_file_and_key(tmp_path, sa
         Transformer.from_pretrained(path)
 
 
+def test_a_gguf_drafter_says_what_a_gguf_file_loads_as(tiny_gguf, safespec_tiny_target_path):
+    """A GGUF file where a drafter's checkpoint directory goes exists: the error says it is a file and what
+    it loads as (a target), never "not found ... download the checkpoint first"."""
+    from spec_decode import SpecDecoder
+    from spec_decode.models import load_drafter
+
+    target = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
+    for load in (lambda: load_drafter(tiny_gguf, target),
+                 lambda: SpecDecoder.from_pretrained(safespec_tiny_target_path, tiny_gguf, dtype=torch.float32)):
+        with pytest.raises(CheckpointError, match=r"tiny\.gguf' is a file.*loads only as a target.*"
+                                                  r"save_gguf_as_hf_dir") as exc:
+            load()
+        assert "download" not in str(exc.value)
+
+
+def test_spec_bench_takes_a_gguf_target(tiny_gguf, safespec_tiny_eagle_path, safespec_fixtures_dir, tmp_path,
+                                        monkeypatch):
+    """``spec-bench --target x.gguf``: converted once into the cache, then run as its directory would be,
+    by our decoders and by transformers' (``hf_generate``)."""
+    from spec_decode.bench import main
+
+    pytest.importorskip("transformers")
+    monkeypatch.setenv(fixtures.CACHE_ENV, str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["--target", str(tiny_gguf), "--eagle", str(safespec_tiny_eagle_path), "--prompts",
+            str(safespec_fixtures_dir / "prompts.jsonl"), "--methods", "ar,eagle_chain,hf_generate",
+            "--num-prompts", "1", "--max-new-tokens", "3", "--temperatures", "0", "--nan-rounds", "0",
+            "--threads", "1", "--no-progress", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    converted = results["config"]["target"]
+    assert converted.startswith(str(tmp_path / "cache")) and "tiny" in converted
+    assert results["methods"]["eagle_chain"]["greedy_equals_ar"] is True
+    assert results["methods"]["hf_generate"]["greedy_equals_ar"] is True
+    stamp = (tmp_path / "cache").stat().st_mtime_ns
+    assert main(argv) == 0 and (tmp_path / "cache").stat().st_mtime_ns == stamp   # converted once
+
+
 # ------------------------------------------------------------------------------------ the cache
 @pytest.fixture
 def fake_smollm2(monkeypatch, tmp_path, tiny_gguf):
