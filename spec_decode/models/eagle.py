@@ -128,12 +128,14 @@ def _check_aux_layer_ids(ids, num_layers: int, *, from_config: bool) -> tuple[in
     return tuple(sorted(ids))
 
 
-def _check_sizes(config: ModelConfig, target: Transformer, hidden_size: int, name: str = "hidden size") -> None:
+def _check_sizes(config: ModelConfig, target: Transformer, hidden_size: int, name: str | None = None) -> int:
     tc = target.config
     if hidden_size != tc.hidden_size:
-        raise ValueError(f"draft head {name} {hidden_size} does not match the target's hidden size {tc.hidden_size}")
+        raise ValueError(f"draft head {name or 'hidden size'} {hidden_size} does not match the target's hidden size "
+                         f"{tc.hidden_size}")
     if config.vocab_size != tc.vocab_size:
         raise ValueError(f"draft head vocab size {config.vocab_size} does not match the target's vocab size {tc.vocab_size}")
+    return hidden_size
 
 
 def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -237,7 +239,8 @@ class _DraftHead(RopeFrequencies, nn.Module):
         """
         config = ModelConfig.from_pretrained(path, drafter=True)   # architectures names the head's class
         state = cls._complete_state(_strip_prefix(load_state_dict(path)), config)
-        try:
+        try:   # the sizes first: a head made for another target fails the later checks less clearly
+            cls._check_target(config, target)
             cls._check_state(state, config, target)
         except ValueError as err:
             raise ValueError(f"checkpoint {os.fspath(path)}: {err}") from None
@@ -260,6 +263,11 @@ class _DraftHead(RopeFrequencies, nn.Module):
     @classmethod
     def _complete_state(cls, state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
         return state
+
+    @classmethod
+    def _check_target(cls, config: ModelConfig, target: Transformer) -> int:
+        """ValueError naming both sizes unless the head fits the target; returns the target's feature width."""
+        return _check_sizes(config, target, config.hidden_size)
 
     @classmethod
     def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:
@@ -311,7 +319,7 @@ class EagleHead(_DraftHead):
         # records "bias" below; a head's lm_head is never its embedding (a tied target's config copied
         # into a head's would make the loader skip the head's own lm_head.weight)
         config = dataclasses.replace(config, extra=dict(config.extra), tie_word_embeddings=False)
-        _check_sizes(config, target, config.hidden_size)
+        self._check_target(config, target)
         self.config = config
         H, V = config.hidden_size, config.vocab_size
         Vd = _draft_vocab_size(config)
@@ -406,13 +414,7 @@ class Eagle3Head(_DraftHead):
         # we fill in defaults below; never tied (see EagleHead)
         config = dataclasses.replace(config, extra=dict(config.extra), tie_word_embeddings=False)
         H, V = config.hidden_size, config.vocab_size
-        Ht = config.extra.get("target_hidden_size") or H
-        if not isinstance(Ht, int) or isinstance(Ht, bool) or Ht < 1:
-            raise ValueError(f"config key target_hidden_size must be a positive integer, got {Ht!r}")
-        if "target_hidden_size" in config.extra:
-            _check_sizes(config, target, Ht, "target_hidden_size")
-        else:
-            _check_sizes(config, target, H)
+        Ht = self._check_target(config, target)
         if H != Ht and not own_embedding:
             raise ValueError(f"an EAGLE-3 head of hidden_size {H} != target_hidden_size {Ht} needs its own "
                              f"embed_tokens.weight [V, {H}]: the target's embedding is {Ht} wide")
@@ -449,6 +451,13 @@ class Eagle3Head(_DraftHead):
         if _draft_vocab_size(config) == V and "d2t" not in state and "t2d" not in state:
             state = {**state, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool)}
         return state
+
+    @classmethod
+    def _check_target(cls, config: ModelConfig, target: Transformer) -> int:
+        Ht = config.extra.get("target_hidden_size") or config.hidden_size
+        if not isinstance(Ht, int) or isinstance(Ht, bool) or Ht < 1:
+            raise ValueError(f"config key target_hidden_size must be a positive integer, got {Ht!r}")
+        return _check_sizes(config, target, Ht, "target_hidden_size" if "target_hidden_size" in config.extra else None)
 
     @classmethod
     def _check_state(cls, state: dict[str, Tensor], config: ModelConfig, target: Transformer) -> None:

@@ -147,6 +147,30 @@ def test_mismatched_sizes_raise_value_error_naming_both(target, tmp_path, make):
         make(other).__class__.from_pretrained(tmp_path / "v50h", target)
 
 
+def test_a_head_for_another_target_names_the_sizes_before_its_draft_vocabulary(target, tmp_path):
+    """A head made for a wider target with a larger vocabulary maps draft ids past this target's vocabulary:
+    the sizes are the cause, and the error names them (and the checkpoint) before ``d2t``'s symptom."""
+    other = Transformer.from_pretrained(make_tiny_target(tmp_path, name="big", hidden_size=48, vocab_size=300),
+                                        dtype=torch.float32)
+    make_tiny_eagle3(other, tmp_path / "head", draft_vocab_size=150)   # odd ids up to 299 in the draft vocab
+    with pytest.raises(ValueError, match=r"checkpoint .*head: draft head hidden size 48 does not match the "
+                                         r"target's hidden size 32") as exc:
+        load_drafter(tmp_path / "head", target)
+    assert "d2t" not in str(exc.value)
+
+
+def test_the_smollm2_head_on_the_tiny_target_names_the_hidden_sizes(shipped_target, fixtures_dir):
+    """Issue 67's probe: the shipped SmolLM2 head (hidden 576, vocabulary 49152) against the tiny target
+    (192, 4096) failed on "d2t maps draft id 2620 to 4096"; the sizes are named first."""
+    head = fixtures_dir / "models" / "smollm2-eagle3"
+    if not head.is_dir():
+        pytest.skip("the SmolLM2 head is not shipped here")
+    with pytest.raises(ValueError, match=r"smollm2-eagle3: draft head hidden size 576 does not match the "
+                                         r"target's hidden size 192") as exc:
+        load_drafter(head, shipped_target)
+    assert "d2t" not in str(exc.value)
+
+
 def test_missing_files_raise_file_not_found(target, tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         load_drafter(tmp_path / "nowhere", target)
