@@ -5,13 +5,14 @@ Supported: sglang 0.5.23. SGLang's ``load_plugins`` calls ``register`` through t
 only *registers* hooks with SGLang's ``HookRegistry``, which ``load_plugins`` applies afterwards.
 
 Glossary (words as in ``numerics.policy``: NaN, Inf, non-finite, dead row):
-    site: where logits are handled. ``sampler``: ``Sampler._preprocess_logits``, one
-        row per request (prefill and plain decode). ``verify``: ``eagle_sample``, the
-        EAGLE target logits of the draft tree, ``draft_token_num`` rows per request.
+    site: where logits are decided on, after SGLang's penalties, ``logit_bias`` and grammar mask
+        and before watermarking, at both sites. ``sampler``: ``ModelRunner._preprocess_logits``,
+        one row per request (prefill and plain decode). ``verify``: ``eagle_sample``, the EAGLE
+        target logits of the draft tree, ``draft_token_num`` rows per request.
     rid: SGLang's request id (``Req.rid``); errors and aborts name it.
-    counts: per request, its NaN entries and its dead rows at one site and step, the MAX
-        over the ranks, and how far apart the ranks' counts were (the spread)
-        (int32 ``[4, num_reqs]`` on the device, rows ``COUNT_ROWS``, ``NanCountsOnDevice``).
+    counts: per request, its NaN entries, dead rows and +-Inf entries at one site and step, the
+        MAX over the ranks, and how far apart the ranks' counts were (the spread)
+        (int32 ``[6, num_reqs]`` on the device, rows ``COUNT_ROWS``, ``NanCountsOnDevice``).
     ride: the counts travel as a ``DeviceAuxiliaryOutput`` on the step's ``LogitsProcessorOutput``,
         in the device-to-host copy of the sampled ids (``copy_to_cpu``): no extra sync.
     agree: the counts and their negation are all-reduced with MAX in one collective over the
@@ -41,9 +42,13 @@ to ``sanitize`` with one warning.
 Layout: the hooks and ``register`` here; the state and the counts' forms in ``sglang_types``;
 agreement across ranks and the PP relay in ``sglang_ranks`` (names re-exported here).
 
-Draft side: under every policy but ``off``, ``verify_input.draft_probs`` are cleaned in place before
-``eagle_sample`` (NaN, Inf and negatives -> 0, rows renormalised; a row with no mass left is all
-zeros, so SGLang rejects its drafts). No host sync.
+Draft side: where rejection sampling reads them, ``verify_input.draft_probs`` rows holding NaN, Inf
+or negative entries are cleaned in place before ``eagle_sample`` (those entries -> 0, the row
+renormalised; a row with no mass left is all zeros, so SGLang rejects its drafts). Other rows keep
+their bits. No host sync.
+
+Refused: beam search requests (SGLang rejects them with the plugin's message) and, under guard and
+abort, PD disaggregation and a bad ``SAFESPEC_NAN_POLICY`` (the start-up check fails on every rank).
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ import contextvars
 import inspect
 import logging
 import pkgutil
+from contextlib import contextmanager
 from dataclasses import dataclass
-from http import HTTPStatus
 
 import torch
 
@@ -61,9 +66,10 @@ from numerics import NanPolicy, nonfinite_counts_per_request, raise_if_nan_logit
 from samplers import clean_probs
 from spec_decode.integrations.sglang_ranks import (add_counts_to_pp_tensors, agree, attach_relayed_counts,
                                                    check_ranks_agree, fall_back_without_pp_relay, rank_config,
-                                                   sampler_groups, verify_groups, detach_counts)
-from spec_decode.integrations.sglang_types import (  # noqa: F401 (COUNT_ROWS: re-exported)
-    ABORTING_POLICIES, COUNT_ROWS, PP_TENSOR_PREFIX, NanCountsOnDevice, NanCountsOnHost, PluginState, SGLangPluginError)
+                                                   sampler_groups, unsupported_mode, verify_groups, detach_counts)
+from spec_decode.integrations.sglang_types import (  # noqa: F401 (re-exported: COUNT_ROWS, ABORT_*, abort_message)
+    ABORT_ERR_TYPE, ABORT_STATUS, ABORTING_POLICIES, COUNT_ROWS, PP_TENSOR_PREFIX, NanCountsOnDevice, NanCountsOnHost,
+    PluginState, SGLangPluginError, abort_message, attach_counts, decide_aborts, host_counts, mark_aborted)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,8 @@ PLUGIN_NAME = "safespec"
 
 SAMPLER_TARGET = "sglang.srt.layers.sampler.Sampler._preprocess_logits"
 SAMPLE_CONTEXT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.sample"
+PREPROCESS_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner._preprocess_logits"
+BEAM_TARGET = "sglang.srt.beam_search.coordinator.BeamCoordinator.validate_and_init"
 VERIFY_TARGET = "sglang.srt.speculative.eagle_utils.eagle_sample"
 RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 FINISH_TARGET = "sglang.srt.managers.schedule_batch.Req.update_finish_state"
@@ -82,7 +90,8 @@ PP_RECV_TARGET = "sglang.srt.managers.scheduler_pp_mixin.SchedulerPPMixin._pp_pr
 PP_HOOK_TARGETS = (PP_SEND_TARGET, PP_RECV_TARGET)
 """Optional: without them the plugin registers, and falls back to sanitize under ``pp_size > 1``."""
 HOOK_TARGETS = (
-    SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, VERIFY_TARGET, RESULT_TARGET, FINISH_TARGET, ANNOUNCE_TARGET, RANKS_TARGET,
+    SAMPLER_TARGET, SAMPLE_CONTEXT_TARGET, PREPROCESS_TARGET, VERIFY_TARGET, RESULT_TARGET, FINISH_TARGET,
+    ANNOUNCE_TARGET, RANKS_TARGET, BEAM_TARGET,
 ) + PP_HOOK_TARGETS
 PP_REQUIRED_SYMBOLS = ("sglang.srt.sampling.sampling_observer_pp.add_auxiliary_output_to_pp_tensors",)
 
@@ -92,6 +101,10 @@ PP_REQUIRED_SYMBOLS = ("sglang.srt.sampling.sampling_observer_pp.add_auxiliary_o
 # a release that renamed any would abort without its guarantees, so the plugin refuses.
 REQUIRED_SYMBOLS = (
     ("sglang.srt.managers.schedule_batch.FINISH_ABORT", None),
+    # The verify hook applies these itself, in eagle_sample's order, then hides them from it.
+    (VERIFY_TARGET, "acc_additive_penalties"),
+    (VERIFY_TARGET, "acc_scaling_penalties"),
+    (VERIFY_TARGET, "logit_bias"),
     (FINISH_TARGET, "to_finish"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "skip_radix_cache_insert"),
     ("sglang.srt.managers.utils.GenerationBatchResult.copy_auxiliary_output_to_cpu", "auxiliary_device_output"),
@@ -108,8 +121,8 @@ UNCOVERED_ALGORITHMS = {
     "UNO": "chain mode samples in uno_worker_v2 / uno_utils.run_uno_sampling (tree mode is covered)",
 }
 
-ABORT_STATUS = HTTPStatus.INTERNAL_SERVER_ERROR
-ABORT_ERR_TYPE = "NanLogitsError"
+VERIFY_BIASES = ("acc_additive_penalties", "acc_scaling_penalties", "logit_bias")
+"""``SamplingBatchInfo`` fields ``eagle_sample`` adds to (or scales) the verify logits before its argmax."""
 ROW_LABEL = "row{}"
 """Label of a sampler row when the batch's rids are unknown (no ModelRunner.sample context)."""
 
@@ -118,10 +131,10 @@ ROW_LABEL = "row{}"
 class _SampleCall:
     """One ``ModelRunner.sample`` call: its rids, and the counts the sampler hook left.
 
-    ``counted``: the sampler hook already applied the policy in this call. SGLang's
-    ``Sampler.forward`` preprocesses a second tensor (the pre-watermark logits, when a
-    watermark and logprobs are on); that one is only sanitized, so the counts and their
-    all-reduce happen once per call and the sampled logits' counts decide.
+    ``counted``: the preprocess hook already applied the policy in this call, before any
+    watermark rewrote the logits. ``Sampler._preprocess_logits`` then leaves what it is handed
+    alone (the watermarked logits, and the pre-watermark copy for logprobs): the counts and
+    their all-reduce happen once per call.
     """
 
     rids: list | None
@@ -194,47 +207,13 @@ def check_compatibility() -> None:
         )
 
 
-def abort_message(policy: NanPolicy, rid: str, site: str, num_nans: int, dead_rows: int,
-                  disagreement: str | None = None) -> str:
-    """The ``FINISH_ABORT`` message of a request aborted by ``policy`` at ``site``."""
-    if disagreement is not None:
-        what = disagreement
-    elif policy is NanPolicy.GUARD:
-        what = f"{dead_rows} dead logit rows (no finite value)"
-    else:
-        what = f"{num_nans} NaN logits"
-    return (
-        f"safespec: request {rid} aborted by the safespec NaN policy '{policy.value}': {what} "
-        f"at SGLang {site}; its KV is kept out of the prefix cache"
-    )
-
-
-def mark_aborted(req, message: str, withheld: int = 0) -> None:
-    """Finish ``req`` with ``FINISH_ABORT`` at its finish check and bar its KV from the radix cache.
-
-    SGLang's own "abort a running request" path: ``to_finish`` is consumed by
-    ``Req.update_finish_state``; ``skip_radix_cache_insert`` makes ``release_kv_cache``
-    free the KV without inserting it into the tree. ``withheld``: how many tokens at the
-    end of ``req.output_ids`` came from the corrupted step; ``finished_len`` ends the
-    output before them, so no stream chunk carries them.
-    """
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    req.skip_radix_cache_insert = True
-    if not req.finished():
-        req.to_finish = FINISH_ABORT(message, ABORT_STATUS, ABORT_ERR_TYPE)
-        if withheld and req.finished_len is None:
-            req.finished_len = max(len(req.output_ids) - withheld, 0)
-
-
-
 def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: torch.Tensor, rids: list, site: str,
                        groups=()):
     """Apply ``state.policy`` to ``logits`` in place; return the device counts to ride the result copy.
 
     Shape:
         logits: [num_rows, V]; cu_num_rows: [len(rids) + 1] on logits.device.
-        returns: int32 [4, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
+        returns: int32 [6, len(rids)] (rows ``COUNT_ROWS``) under abort/guard, else None.
 
     ``groups``: the ranks that run the same batch and must decide alike (``agree``).
     On NaN: sanitize -> sanitized, warned once (async); raise -> sanitized, then
@@ -245,7 +224,7 @@ def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: to
         sanitize_nan_logits(logits, f"sglang {site}")
         return None
     counts = nonfinite_counts_per_request(logits, cu_num_rows, sanitize=True, backend=state.counts_backend)
-    stacked = agree(torch.stack((counts.nan, counts.dead_rows)), groups)
+    stacked = agree(torch.stack((counts.nan, counts.dead_rows, counts.inf)), groups)
     if state.policy is NanPolicy.RAISE:
         # Host sync: raise must know before SGLang commits this step's tokens; one int32 per request.
         raise_if_nan_logits(dict(zip(rids, stacked[0].tolist())))
@@ -253,86 +232,69 @@ def count_and_sanitize(state: PluginState, logits: torch.Tensor, cu_num_rows: to
     return stacked
 
 
-def _disagreement(num_nans: int, dead_rows: int, nan_spread: int, dead_spread: int) -> str:
-    """The ranks' counts of one request, as a range over the ranks (min-max)."""
-    return (f"the ranks disagree: {num_nans - nan_spread}-{num_nans} NaN logits and "
-            f"{dead_rows - dead_spread}-{dead_rows} dead rows across the ranks")
-
-
-def decide_aborts(state: PluginState, host: NanCountsOnHost) -> dict:
-    """Return {rid: abort message} for one site's host counts under ``state.policy``.
-
-    Reads host memory only (SGLang's copy, after its ``copy_done`` wait). A request the
-    ranks counted differently is aborted and logged, naming it and the ranks' counts.
-    Under guard, partial NaN every rank saw alike is logged once per process.
-    """
-    aborts = {}
-    partial = []
-    # Host memory: SGLang already waited for this copy (copy_done) before processing the result.
-    for rid, num_nans, dead_rows, nan_spread, dead_spread in zip(host.rids, *host.counts.tolist()):
-        trigger = dead_rows if state.policy is NanPolicy.GUARD else num_nans
-        if nan_spread or dead_spread:
-            disagreement = _disagreement(num_nans, dead_rows, nan_spread, dead_spread)
-            logger.error("safespec: request %s at SGLang %s: %s; aborting it on every rank", rid, host.site,
-                         disagreement)
-            aborts[rid] = abort_message(state.policy, rid, host.site, num_nans, dead_rows, disagreement)
-        elif trigger:
-            aborts[rid] = abort_message(state.policy, rid, host.site, num_nans, dead_rows)
-        elif num_nans:
-            partial.append(f"{rid} ({num_nans} NaN)")
-    if aborts:
-        logger.error("safespec: non-finite logits at SGLang %s; aborting %s", host.site, ", ".join(aborts))
-    if partial and not state.warned_partial_nan:
-        state.warned_partial_nan = True
-        logger.warning(
-            "safespec: NaN logits sanitized at SGLang %s for %s (policy 'guard' aborts dead rows only; "
-            "warned once per process)",
-            host.site,
-            ", ".join(partial),
-        )
-    return aborts
-
-
-def _host_counts(result) -> list:
-    """Every ``NanCountsOnHost`` of ``result``; a copy SGLang did not make is made here (synced)."""
-    host = getattr(result, "auxiliary_host_output", None)
-    if host is None:
-        logits_output = getattr(result, "logits_output", None)
-        device = getattr(logits_output, "auxiliary_device_output", None)
-        if device is None:
-            return []
-        # Host sync, a fallback only: a result path that skipped SGLang's copy (none in 0.5.23's
-        # plain, overlap or spec paths; under PP, pp_recv_hook copies) would otherwise drop the counts.
-        host = device.copy_to_host(lambda t: t.cpu())
-    outputs = getattr(host, "outputs", (host,))
-    return [o for o in outputs if isinstance(o, NanCountsOnHost)]
-
-
-def _attach(logits_output, device_counts: NanCountsOnDevice) -> None:
-    """Append ``device_counts`` to the step's auxiliary device output (dropping a stale one of ours)."""
-    from sglang.srt.managers.auxiliary_output import CompositeDeviceAuxiliaryOutput, append_auxiliary_output
-
-    current = logits_output.auxiliary_device_output
-    outputs = current.outputs if isinstance(current, CompositeDeviceAuxiliaryOutput) else (current,)
-    # A CUDA-graph runner may hand back a reused LogitsProcessorOutput: never carry last step's counts.
-    kept = [o for o in outputs if o is not None and not isinstance(o, NanCountsOnDevice)]
-    current = None
-    for output in kept:
-        current = append_auxiliary_output(current, output)
-    logits_output.auxiliary_device_output = append_auxiliary_output(current, device_counts)
-
-
-def _clean_draft_probs(verify_input) -> None:
-    """Clean ``verify_input.draft_probs`` in place (same storage: it may be a graph buffer). No host sync.
+def clean_draft_probs(draft_probs: torch.Tensor) -> None:
+    """Clean the rows of ``draft_probs`` that hold NaN, Inf or negative entries, in place. No host sync.
 
     Shape:
-        draft_probs: [bs, num_steps, V] float.
+        draft_probs: [bs, num_steps, V] float (same storage afterwards: it may be a graph buffer).
+
+    A bad row becomes ``samplers``' ``clean_probs`` of it (those entries 0, renormalised; no
+    mass left: all zeros, so SGLang rejects its drafts). Every other row keeps its bits, so
+    rejection sampling on clean draft probabilities is SGLang's own.
     """
+    clean, bad = clean_probs(draft_probs, zero_rows="zero")
+    draft_probs.copy_(torch.where(bad.unsqueeze(-1), clean, draft_probs))
+
+
+def _draft_probs_used(verify_input) -> bool:
+    """Whether ``eagle_sample`` will hand ``verify_input.draft_probs`` to rejection sampling."""
+    from sglang.srt.runtime_context import get_spec
+
     draft_probs = getattr(verify_input, "draft_probs", None)
     if draft_probs is None or not draft_probs.is_floating_point() or draft_probs.numel() == 0:
-        return
-    clean, _ = clean_probs(draft_probs, zero_rows="zero")
-    draft_probs.copy_(clean)
+        return False
+    return bool(get_spec().speculative_use_rejection_sampling)
+
+
+def apply_verify_biases(logits: torch.Tensor, sampling_info, draft_token_num: int, grammar_mask) -> None:
+    """SGLang's ``eagle_sample`` steps before its argmax, in its order and with its ops, on ``logits`` in place.
+
+    Shape:
+        logits: [bs * draft_token_num, V]; the per-request penalties and ``logit_bias``: [bs, V].
+    """
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    if sampling_info.acc_additive_penalties is not None:
+        logits.add_(torch.repeat_interleave(sampling_info.acc_additive_penalties, draft_token_num, dim=0))
+    if sampling_info.acc_scaling_penalties is not None:
+        apply_scaling_penalties(logits, torch.repeat_interleave(sampling_info.acc_scaling_penalties,
+                                                                draft_token_num, dim=0))
+    if sampling_info.logit_bias is not None:
+        logits.add_(torch.repeat_interleave(sampling_info.logit_bias, draft_token_num, dim=0))
+    if grammar_mask is not None:
+        grammar_mask.apply(logits)
+
+
+@contextmanager
+def verify_biases_applied(sampling_info):
+    """Hide ``VERIFY_BIASES`` from ``eagle_sample`` (the hook applied them); put them back after."""
+    saved = {name: getattr(sampling_info, name) for name in VERIFY_BIASES}
+    for name in saved:
+        setattr(sampling_info, name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(sampling_info, name, value)
+
+
+def beam_refusal(state: PluginState) -> str:
+    """SGLang's error for a beam search request (``beam_width > 1``) while the plugin is on."""
+    return (
+        f"Beam search is not supported with the safespec NaN policy '{state.policy.value}': SGLang's beam "
+        "coordinator picks tokens by topk on logits copied before safespec sees them, and beam requests skip "
+        "the finish check where safespec aborts. Send beam_width=1, or serve with SAFESPEC_NAN_POLICY=off"
+    )
 
 
 def announce(state: PluginState, server_args) -> None:
@@ -359,14 +321,6 @@ def announce(state: PluginState, server_args) -> None:
         )
 
 
-def _row_rids(num_rows: int) -> tuple:
-    """Return (labels, call): the batch's rids when ModelRunner.sample supplied them."""
-    call = _SAMPLE_CALL.get()
-    if call is not None and call.rids is not None and len(call.rids) == num_rows:
-        return list(call.rids), call
-    return [ROW_LABEL.format(i) for i in range(num_rows)], None
-
-
 def make_hooks(state: PluginState) -> dict:
     """Build the hook callables (target -> hook) bound to ``state``.
 
@@ -380,32 +334,42 @@ def make_hooks(state: PluginState) -> dict:
     return hooks
 
 
+def _count_sampler_rows(state: PluginState, logits: torch.Tensor, call: _SampleCall, groups) -> None:
+    """Apply the policy to one sampler call's [batch, V] logits; keep its counts on ``call``."""
+    call.counted = True
+    num_rows = logits.shape[0]
+    if call.rids is None or len(call.rids) != num_rows:
+        if state.policy in ABORTING_POLICIES:  # no request to finish: sanitize and warn (async)
+            sanitize_nan_logits(logits, "sglang sampler (no request ids)")
+            return
+        call.rids = [ROW_LABEL.format(i) for i in range(num_rows)]
+    cu_num_rows = torch.arange(num_rows + 1, device=logits.device, dtype=torch.int32)
+    call.counts = count_and_sanitize(state, logits, cu_num_rows, list(call.rids), "sampler", groups)
+
+
 def _logits_hooks(state: PluginState) -> dict:
-    """The hooks at the two logits sites: the sampler (with its rids' context) and EAGLE verify."""
+    """The hooks at the sampler site: counted after SGLang's logits bias, before any watermark."""
+
+    def preprocess_hook(original_fn, runner, logits_output, sampling_info, *args, **kwargs):
+        """SGLang's penalties, logit_bias and grammar mask, then the policy, before ``sample`` watermarks."""
+        observer_state = original_fn(runner, logits_output, sampling_info, *args, **kwargs)
+        call = _SAMPLE_CALL.get()
+        if call is None:  # compute_logprobs_only: no token is picked, so sanitize only
+            sanitize_nan_logits(logits_output.next_token_logits, "sglang logprobs")
+        elif not call.counted:
+            groups = sampler_groups(getattr(runner, "sampler", None))
+            _count_sampler_rows(state, logits_output.next_token_logits, call, groups)
+        return observer_state
 
     def sampler_hook(original_fn, sampler, logits, sampling_info):
-        """Policy on the sampler's [batch, V] logits, then SGLang's own preprocessing."""
-        num_rows = logits.shape[0]
-        rids, call = _row_rids(num_rows)
-        if call is None and state.policy in ABORTING_POLICIES:
-            # No request to finish: sanitize and warn (async), as the sanitize policy does.
-            sanitize_nan_logits(logits, "sglang sampler (no request ids)")
-            return original_fn(sampler, logits, sampling_info)
-        if call is not None and call.counted:
-            # Second tensor of this sampler call (pre-watermark logits for logprobs): the
-            # first call's counts decide; counting again would all-reduce again.
-            sanitize_nan_logits(logits, warn=False)
-            return original_fn(sampler, logits, sampling_info)
-        if call is not None:
-            call.counted = True
-        cu_num_rows = torch.arange(num_rows + 1, device=logits.device, dtype=torch.int32)
-        counts = count_and_sanitize(state, logits, cu_num_rows, rids, "sampler", sampler_groups(sampler))
-        if counts is not None:
-            call.counts = counts
+        """Only where ``preprocess_hook`` did not decide (a ``Sampler`` outside ``ModelRunner.sample``)."""
+        call = _SAMPLE_CALL.get() or _SampleCall(rids=None)  # no rids: rows are labelled, never finished
+        if not call.counted:  # else decided before any watermark: leave the logits as SGLang has them
+            _count_sampler_rows(state, logits, call, sampler_groups(sampler))
         return original_fn(sampler, logits, sampling_info)
 
     def sample_context_hook(original_fn, runner, logits_output, forward_batch, *args, **kwargs):
-        """Expose the batch's rids to ``sampler_hook``; attach its counts to the step's result."""
+        """Expose the batch's rids to ``preprocess_hook``; attach its counts to the step's result."""
         call = _SampleCall(rids=getattr(forward_batch, "rids", None))
         token = _SAMPLE_CALL.set(call)
         try:
@@ -413,15 +377,24 @@ def _logits_hooks(state: PluginState) -> dict:
         finally:
             _SAMPLE_CALL.reset(token)
         if call.counts is not None:
-            _attach(logits_output, NanCountsOnDevice("sampler", tuple(call.rids), call.counts))
+            attach_counts(logits_output, NanCountsOnDevice("sampler", tuple(call.rids), call.counts))
         return next_token_ids
 
+    return {PREPROCESS_TARGET: preprocess_hook, SAMPLER_TARGET: sampler_hook,
+            SAMPLE_CONTEXT_TARGET: sample_context_hook, **_verify_hooks(state)}
+
+
+def _verify_hooks(state: PluginState) -> dict:
+    """The hook at EAGLE verify: the policy on the logits ``eagle_sample`` picks from."""
+
     def verify_hook(original_fn, verify_input, batch, logits_output, *args, **kwargs):
-        """Policy on the EAGLE verify logits [bs * draft_token_num, V] and the draft probs, then verify."""
+        """SGLang's penalties, logit_bias and grammar mask, the policy, the draft probs, then verify."""
         if batch.forward_mode.is_idle():
             return original_fn(verify_input, batch, logits_output, *args, **kwargs)
-        _clean_draft_probs(verify_input)
+        grammar_mask = args[0] if args else kwargs.pop("grammar_mask", None)
+        args = (None,) + args[1:] if args else args  # applied here, not again by eagle_sample
         logits = logits_output.next_token_logits  # [bs * draft_token_num, V]
+        apply_verify_biases(logits, batch.sampling_info, verify_input.draft_token_num, grammar_mask)
         rids = [req.rid for req in batch.reqs]
         # EAGLE verifies the same number of tree nodes for every request; built on the
         # device from host ints, so no sync.
@@ -429,12 +402,15 @@ def _logits_hooks(state: PluginState) -> dict:
             len(rids) + 1, device=logits.device, dtype=torch.int32
         )
         counts = count_and_sanitize(state, logits, cu_num_rows, rids, "verify", verify_groups())
-        out = original_fn(verify_input, batch, logits_output, *args, **kwargs)
+        if _draft_probs_used(verify_input):
+            clean_draft_probs(verify_input.draft_probs)
+        with verify_biases_applied(batch.sampling_info):
+            out = original_fn(verify_input, batch, logits_output, *args, **kwargs)
         if counts is not None:
-            _attach(logits_output, NanCountsOnDevice("verify", tuple(rids), counts))
+            attach_counts(logits_output, NanCountsOnDevice("verify", tuple(rids), counts))
         return out
 
-    return {SAMPLER_TARGET: sampler_hook, SAMPLE_CONTEXT_TARGET: sample_context_hook, VERIFY_TARGET: verify_hook}
+    return {VERIFY_TARGET: verify_hook}
 
 
 def _scheduler_hooks(state: PluginState) -> dict:
@@ -455,10 +431,10 @@ def _scheduler_hooks(state: PluginState) -> dict:
             return None
         if current.aborts is None:  # first finish check of this result: SGLang's copy_done wait is behind us
             current.aborts = {}
-            for host in _host_counts(current.result):
+            for host in host_counts(current.result):
                 current.aborts.update(decide_aborts(state, host))
         message = current.aborts.get(req.rid)
-        if message is not None and req.to_finish is None:
+        if message is not None:  # a client abort pending in the same step keeps its reason (mark_aborted)
             # update_finish_state(new_accepted_len=1): this step's tokens are already appended.
             new_accepted_len = args[0] if args else kwargs.get("new_accepted_len", 1)
             mark_aborted(req, message, withheld=new_accepted_len)
@@ -477,13 +453,21 @@ def _scheduler_hooks(state: PluginState) -> dict:
             return None
         state.ranks_checked = True
         parallel = get_parallel()
+        # Every rank reports first, so a rank that cannot start never leaves the others waiting.
         check_ranks_agree(rank_config(state), parallel.world_group.cpu_group)
+        error = state.start_error or unsupported_mode(state, getattr(scheduler, "server_args", None))
+        if error is not None:
+            raise SGLangPluginError(error)
         if state.refused is None:
             fall_back_without_pp_relay(state, parallel.pp_size)
         return None
 
+    def beam_hook(original_fn, coordinator, req, recv_req, *args, **kwargs):
+        """Refuse a beam search request: SGLang answers it with this error (HTTP 400) before any forward."""
+        return beam_refusal(state)
+
     return {RESULT_TARGET: result_hook, FINISH_TARGET: finish_hook, ANNOUNCE_TARGET: announce_hook,
-            RANKS_TARGET: ranks_hook}
+            RANKS_TARGET: ranks_hook, BEAM_TARGET: beam_hook}
 
 
 def _pp_hooks(state: PluginState) -> dict:
@@ -566,7 +550,11 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
 
     Returns the shared ``PluginState``, or None when nothing was registered.
     """
-    policy = NanPolicy.resolve(nan_policy)
+    try:
+        policy = NanPolicy.resolve(nan_policy)
+    except ValueError as exc:  # reported to the other ranks, and raised by the start-up check on every rank
+        _register_start_up_check_only(PluginState(policy=NanPolicy.OFF, refused=str(exc), start_error=str(exc)))
+        raise SGLangPluginError(f"safespec SGLang plugin: {exc}; the start-up check fails this rank") from exc
     if policy is NanPolicy.OFF:
         logger.info("safespec SGLang plugin: policy off, only the start-up check registered")
         state = PluginState(policy=policy)

@@ -30,22 +30,23 @@ def agree(counts: torch.Tensor, groups) -> torch.Tensor:
     """Reduce ``counts`` over every rank of each group of ``groups``: the MAX and the spread (MAX - MIN).
 
     Shape:
-        counts: int32 [2, num_reqs] (rows nan, dead_rows), the same requests in the same
-            order on every rank.
-        returns: int32 [4, num_reqs] (rows ``COUNT_ROWS``): the MAX of each row over the
+        counts: int32 [k, num_reqs] (rows ``COUNTED``: nan, dead_rows, inf), the same requests
+            in the same order on every rank.
+        returns: int32 [2k, num_reqs] (rows ``COUNT_ROWS``): the MAX of each row over the
             ranks, then each row's spread over the ranks (0 where every rank counted alike).
 
-    A request with NaN on any rank then counts as NaN on all of them, and a request the
+    A request with NaN or +-Inf on any rank then counts so on every rank, and a request the
     ranks counted differently shows a spread, so every rank takes the same decision. The
     MIN rides in the same all-reduce as MAX of the negated counts: one collective per
     group. Groups with one rank are skipped: nothing is issued (the spread is 0). On the
     stream: a device collective is enqueued like SGLang's own sampler all-reduce; no host sync.
     """
-    reduced = torch.cat((counts, -counts))  # [4, num_reqs]: MAX over ranks gives (max, -min)
+    rows = counts.shape[0]
+    reduced = torch.cat((counts, -counts))  # [2k, num_reqs]: MAX over ranks gives (max, -min)
     for group in groups:
         if _has_peers(group):
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    reduced[2:] += reduced[:2]  # -min + max: the spread
+    reduced[rows:] += reduced[:rows]  # -min + max: the spread
     return reduced
 
 
@@ -217,3 +218,21 @@ def fall_back_without_pp_relay(state: PluginState, pp_size: int) -> None:
         state.pp_relay_missing,
     )
     state.policy = NanPolicy.SANITIZE
+
+
+def unsupported_mode(state: PluginState, server_args) -> str | None:
+    """Why this server cannot start under ``state.policy``, or None: PD disaggregation under guard/abort.
+
+    A prefill server hands a request's first token and KV to the decode server without SGLang's
+    finish check, where the plugin aborts, and the decode server's KV offload ignores
+    ``skip_radix_cache_insert``: an abort could not keep a dead row from being served.
+    """
+    mode = str(getattr(server_args, "disaggregation_mode", None) or "null")
+    if mode == "null" or state.refused is not None or state.policy not in ABORTING_POLICIES:
+        return None
+    return (
+        f"safespec SGLang plugin: refusing --disaggregation-mode {mode} under the NaN policy "
+        f"'{state.policy.value}': a dead row at prefill would reach the decode server, since SGLang's PD "
+        "prefill sends the token and KV without the finish check where safespec aborts. Serve PD "
+        "disaggregation with SAFESPEC_NAN_POLICY=sanitize or off (docs/sglang.md, Coverage)"
+    )

@@ -365,3 +365,69 @@ def agree_cost_rank(rank: int, calls: int, batch: int) -> dict:
     for _ in range(calls):
         sglang_plugin.agree(counts, (None,))
     return {"reduced_s": reduced, "one_rank_s": (time.perf_counter() - start) / calls}
+
+
+@contextmanager
+def eagle_sample_on_cpu(*, rejection_sampling: bool):
+    """SGLang's real ``eagle_sample`` runnable on CPU tensors; yields the ``target_predict`` it computed.
+
+    Greedy (``rejection_sampling=False``): SGLang's CPU path (``eagle_utils._is_cpu`` set), its argmax; only the tree walk
+    (``verify_tree_greedy_func``, an ``sgl_kernel`` op on CPU) is replaced by a recorder that
+    accepts nothing. Rejection sampling: SGLang's GPU path (its softmax and its Triton
+    ``chain_speculative_sampling_triton``, under ``TRITON_INTERPRET=1``), chosen by clearing
+    ``_is_cpu``. Server args are published with the rejection-sampling switch.
+    """
+    import pytest
+    from sglang.srt.runtime_context import get_context
+    from sglang.srt.speculative import eagle_utils
+
+    seen = {}
+
+    def tree_greedy(predicts, accept_index, accept_token_num, target_predict, **_):
+        seen["target_predict"] = target_predict.clone()
+        accept_token_num.zero_()
+        return predicts, accept_index, accept_token_num
+
+    monkeypatch = pytest.MonkeyPatch()
+    try:
+        monkeypatch.setattr(eagle_utils, "verify_tree_greedy_func", tree_greedy)
+        monkeypatch.setattr(eagle_utils, "_is_cpu", not rejection_sampling)
+        with sglang_cpu_context(), get_context().override_server_args(
+                speculative_use_rejection_sampling=rejection_sampling, device="cpu"):
+            yield seen
+    finally:
+        monkeypatch.undo()
+
+
+def eagle_verify_case(bs: int, draft_token_num: int, vocab: int, seed: int = 0):
+    """Seeded chain-tree inputs of ``eagle_sample``: (verify_input, batch, logits_output), all clean.
+
+    Penalties (additive and scaling) and ``logit_bias`` are set, so SGLang's own steps before its
+    argmax all run. ``batch.reqs`` are real ``Req`` named ``r0`` ... Shape: logits
+    [bs * draft_token_num, vocab]; draft_probs [bs, draft_token_num - 1, vocab].
+    """
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+    g = torch.Generator().manual_seed(seed)
+    info = make_sampling_info(bs, vocab, greedy=False)
+    info.acc_additive_penalties = 0.1 * torch.randn(bs, vocab, generator=g)
+    info.acc_scaling_penalties = 1 + torch.rand(bs, vocab, generator=g)
+    info.logit_bias = torch.randn(bs, vocab, generator=g)
+    steps = draft_token_num - 1
+    nodes = torch.arange(draft_token_num)
+    verify_input = types.SimpleNamespace(
+        draft_token_num=draft_token_num, max_tree_depth=draft_token_num, tree_topk=1,
+        draft_token=torch.randint(0, vocab, (bs * draft_token_num,), generator=g),
+        retrieve_index=torch.arange(bs * draft_token_num).view(bs, draft_token_num),
+        retrieve_next_token=torch.where(nodes < steps, nodes + 1, -1).repeat(bs, 1),
+        retrieve_next_sibling=torch.full((bs, draft_token_num), -1),
+        draft_probs=torch.softmax(2 * torch.randn(bs, steps, vocab, generator=g), -1),
+    )
+    batch = types.SimpleNamespace(
+        reqs=[make_req(f"r{i}") for i in range(bs)], device="cpu", sampling_info=info,
+        forward_mode=types.SimpleNamespace(is_idle=lambda: False), seq_lens=torch.full((bs,), 4),
+        return_logprob=False,
+    )
+    logits_output = LogitsProcessorOutput(next_token_logits=torch.randn(bs * draft_token_num, vocab, generator=g))
+    return verify_input, batch, logits_output

@@ -347,7 +347,8 @@ DRAFT_TOKEN_NUM = 4
 
 
 def _verify_batch(reqs):
-    return types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+    return types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False),
+                                 sampling_info=make_sampling_info(len(reqs), VOCAB, greedy=True))
 
 
 def _verify_step(policy, nan_rows, *, dead_rows=(), draft_probs=None, eagle_sample=None):
@@ -410,14 +411,22 @@ def test_verify_abort_and_guard_add_no_host_sync(monkeypatch):
     reads = HostReads().install(monkeypatch)
     draft_probs = torch.softmax(torch.randn(len(RIDS), DRAFT_TOKEN_NUM - 1, VOCAB), -1)
     draft_probs[0, 1, 2] = NAN
-    for policy in ("abort", "guard"):
-        _verify_step(policy, {3: 1}, dead_rows=(8,), draft_probs=draft_probs.clone())
+    with _rejection_sampling():
+        for policy in ("abort", "guard"):
+            _verify_step(policy, {3: 1}, dead_rows=(8,), draft_probs=draft_probs.clone())
     assert reads.device == [], f"host syncs: {reads.device}"
     # Per step: SGLang's read of its copied token ids, and the plugin's read of its copied counts.
     assert reads.copied == ["tolist", "tolist"] * 2
 
 
 # ---------------------------------------------------------------- draft side
+
+
+def _rejection_sampling():
+    """Server args with ``--speculative-use-rejection-sampling``: ``eagle_sample`` reads the draft probs."""
+    from sglang.srt.runtime_context import get_context
+
+    return get_context().override_server_args(speculative_use_rejection_sampling=True, device="cpu")
 
 
 def _chain_inputs(bs, num_steps, g):
@@ -456,7 +465,7 @@ def test_draft_probs_reaching_rejection_sampling_are_cleaned(block_verification)
     """The verify hook cleans ``verify_input.draft_probs`` in place before SGLang's kernel reads them.
 
     Poisoned draft rows (NaN, +Inf, negative entries; one all-NaN row) must give exactly what
-    the kernel gives on the cleaned probabilities. With block verification (which forces
+    the kernel gives on them with the poisoned rows cleaned (the others keep their bits). With block verification (which forces
     rejection sampling on) the raw ones change the result: the kernel's residual mass reads
     them unguarded. The classic kernel guards each q itself, so there only equality is checked."""
     from samplers.nan import clean_probs
@@ -471,8 +480,9 @@ def test_draft_probs_reaching_rejection_sampling_are_cleaned(block_verification)
     draft_probs[3, 1] = NAN  # a row with no mass left: all its drafts are rejected
     raw = draft_probs.clone()
     storage = draft_probs.data_ptr()
-    expected = _run_chain_kernel(target_probs, clean_probs(raw, zero_rows="zero")[0], candidates, coins, final_coins,
-                                 block_verification=block_verification)
+    clean, bad = clean_probs(raw, zero_rows="zero")
+    expected = _run_chain_kernel(target_probs, torch.where(bad.unsqueeze(-1), clean, raw), candidates, coins,
+                                 final_coins, block_verification=block_verification)
     unsanitized = _run_chain_kernel(target_probs, raw.clone(), candidates, coins, final_coins,
                                     block_verification=block_verification)
 
@@ -483,7 +493,7 @@ def test_draft_probs_reaching_rejection_sampling_are_cleaned(block_verification)
     reqs = [make_req(f"r{i}") for i in range(bs)]
     verify_input = types.SimpleNamespace(draft_token_num=num_steps + 1, draft_probs=draft_probs)
     logits_output = LogitsProcessorOutput(next_token_logits=torch.zeros(bs * (num_steps + 1), VOCAB))
-    with applied_plugin("guard"):
+    with applied_plugin("guard"), _rejection_sampling():
         got = registered_hook(sglang_plugin.VERIFY_TARGET)(eagle_sample, verify_input, _verify_batch(reqs), logits_output)
     assert verify_input.draft_probs.data_ptr() == storage  # cleaned in place
     assert torch.isfinite(draft_probs).all() and bool((draft_probs >= 0).all())

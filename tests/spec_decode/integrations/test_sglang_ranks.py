@@ -80,7 +80,8 @@ def _aborted(reqs) -> list:
 
 def _verify_step(reqs, logits):
     """One EAGLE verify step at the hook boundary, then SGLang's result copy and result processing."""
-    batch = types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False))
+    batch = types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False),
+                                  sampling_info=make_sampling_info(len(reqs), VOCAB, greedy=True))
     verify_input = types.SimpleNamespace(draft_token_num=DRAFT_TOKEN_NUM, draft_probs=None)
     logits_output = LogitsProcessorOutput(next_token_logits=logits)
     registered_hook(sglang_plugin.VERIFY_TARGET)(lambda *a, **k: None, verify_input, batch, logits_output, None)
@@ -453,6 +454,7 @@ def _last_stage_verify_dict(attn_tp_rank: int, reqs):
     if attn_tp_rank == 1:
         logits[2 * DRAFT_TOKEN_NUM + 1] = NAN
     batch = types.SimpleNamespace(reqs=reqs, forward_mode=types.SimpleNamespace(is_idle=lambda: False),
+                                  sampling_info=make_sampling_info(len(reqs), VOCAB, greedy=True),
                                   return_logprob=False, spec_algorithm=types.SimpleNamespace(is_dspark=lambda: False))
     verify_input = types.SimpleNamespace(draft_token_num=DRAFT_TOKEN_NUM, draft_probs=None)
     logits_output = LogitsProcessorOutput(next_token_logits=logits)
@@ -560,7 +562,7 @@ def test_pp_ring_carries_the_counts_beside_another_plugins_output():
         logits_output = LogitsProcessorOutput(next_token_logits=_logits(3))
         logits_output.auxiliary_device_output = _PPObserverOutput(torch.arange(3))
         counts = torch.tensor([[0, 0, 4], [0, 0, 1], [0, 0, 0], [0, 0, 0]], dtype=torch.int32)
-        sglang_plugin._attach(logits_output, sglang_plugin.NanCountsOnDevice("sampler", RIDS, counts))
+        sglang_plugin.attach_counts(logits_output, sglang_plugin.NanCountsOnDevice("sampler", RIDS, counts))
         result = GenerationBatchResult(logits_output=logits_output, next_token_ids=torch.zeros(3, dtype=torch.int64))
         batch = types.SimpleNamespace(reqs=reqs, return_logprob=False)
         tensors = SchedulerPPMixin._pp_prepare_tensor_dict(types.SimpleNamespace(_pp_spec_relay=False), result, batch)
