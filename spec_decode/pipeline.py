@@ -46,12 +46,14 @@ import torch
 from numerics import NanPolicy, NonfiniteCounts
 from spec_decode.checks import DRAFT_SAMPLING, METHODS, check_draft_sampling, check_drafter, check_method
 from spec_decode.compilation import compile_in_place
+from spec_decode.cpu.capability import warn_batch_invariance_off
 from spec_decode.depth import DepthController, sampling_regime
 from spec_decode.drafting import (DraftTree, Drafter, TreeRoot, TreeShape, check_score_temperature, draft_target_ids,
                                    draft_tree)
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.lookup import check_lookup_args
-from spec_decode.models import Transformer, set_batch_invariant
+from spec_decode.models import (Transformer, batch_invariant_blocker, batch_invariant_in_force, ordinary_parameters,
+                                set_batch_invariant)
 from spec_decode.outcome import StepOutcome, finish_step
 from spec_decode.padding import right_pad
 from spec_decode.requests import Requests
@@ -74,17 +76,33 @@ def _no_timer(name: str) -> ContextManager:
     return contextlib.nullcontext()
 
 
-def prepare_models(modules, *, batch_invariant: bool | None, compile: bool) -> None:
-    """Switch the models' batch-invariant routes (None: leave them as they are, on for CPU unless switched
-    off) and compile their forwards in place when ``compile``; None entries are skipped."""
+def prepare_models(modules, *, batch_invariant: bool | None, compile: bool) -> bool:
+    """Make the models ready to decode and return whether the batch-invariant routes are in force.
+
+    Parameters created under ``torch.inference_mode`` become ordinary ones (``ordinary_parameters``);
+    the batch-invariant routes are switched (None: left as they are, on for CPU unless switched off)
+    and the forwards compiled in place when ``compile``; None entries are skipped. Where the routes
+    cannot run (``batch_invariant_blocker``, or ``compile``, whose graphs run torch's kernels), True is
+    a ValueError naming why, and the default None on a CPU model warns once that they are off.
+    """
     if not isinstance(compile, bool):
         raise ValueError(f"compile must be True or False, got {compile!r}")
+    modules = [m for m in modules if m is not None]
     for module in modules:
-        if module is not None and batch_invariant is not None:
+        ordinary_parameters(module)
+        blocker = batch_invariant_blocker(module)
+        if compile and blocker is None:
+            blocker = "compile=True runs torch's kernels inside the compiled graph"
+        if batch_invariant and blocker is not None:
+            raise ValueError(f"batch_invariant=True: {blocker} (pass None or False)")
+        if batch_invariant is not None:
             set_batch_invariant(module, batch_invariant)
+        elif blocker is not None and all(p.is_cpu for p in module.parameters()):
+            warn_batch_invariance_off(blocker)
     for module in modules:
-        if module is not None and compile:
+        if compile:
             compile_in_place(module)
+    return not compile and all(batch_invariant_in_force(m) for m in modules)
 
 
 class SpecDecoder:
@@ -102,7 +120,9 @@ class SpecDecoder:
     Attributes: ``trim_last_steps`` (True by default: a step of greedy or coupled requests never
     drafts deeper than the batch can still use), ``phase_timer`` (a callable ``name -> context
     manager`` entered around each phase of a step, names in ``PHASES``; a no-op by default,
-    ``spec-bench profile`` sets it) and ``last_stats`` (the last ``generate`` call's ``StepStats``).
+    ``spec-bench profile`` sets it), ``last_stats`` (the last ``generate`` call's ``StepStats``) and
+    ``batch_invariant`` (True when the batch-invariant routes are in force for the target and the
+    drafter: a row's bits depend neither on the row count nor on the batch; see ``prepare_models``).
     """
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
@@ -132,7 +152,7 @@ class SpecDecoder:
         self.phase_timer: Callable[[str], ContextManager] = _no_timer
         self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
-        prepare_models((target, drafter), batch_invariant=batch_invariant, compile=compile)
+        self.batch_invariant = prepare_models((target, drafter), batch_invariant=batch_invariant, compile=compile)
 
     @classmethod
     def from_pretrained(cls, target_path, draft_path=None, *, method: str = "eagle",

@@ -12,6 +12,8 @@ from importlib import metadata
 
 import torch
 
+from spec_decode.cpu import routes_summary
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MB = 1 << 20
 
@@ -50,6 +52,7 @@ def machine_info(device: torch.device) -> dict:
         "safespec": _version("safespec") or _source_version(),
         "device": str(device),
         "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cpu_routes": routes_summary(),
     }
     return info
 

@@ -55,6 +55,7 @@ class OursRunner:
     def describe(self) -> dict:
         """The method's settings as the decoder holds them (``num_steps`` may be ``"auto"``)."""
         d = self.spec.describe()
+        d["batch_invariant"] = self.decoder.batch_invariant
         if self.spec.speculative:
             d.update(num_steps=self.decoder.num_steps, draft_sampling=self.decoder.draft_sampling)
             if self.decoder.num_steps == "auto":

@@ -102,7 +102,17 @@ def markdown_table(results: dict) -> str:
     if "nan_pass_ms" in detail:
         lines.append(f"numerics pass alone at the verify shape: {detail['nan_pass_ms']:.3f} ms = "
                      f"{detail['nan_pass_pct_of_p50_step']:.2f}% of the p50 step")
+    lines.append(invariance_line(results))
     return "\n".join(lines)
+
+
+def invariance_line(results: dict) -> str:
+    """Which methods ran with the batch-invariant routes in force (``SpecDecoder.batch_invariant``), and the CPU."""
+    configs = results["config"].get("method_configs", {})
+    on = [k for k, c in configs.items() if c.get("batch_invariant") is True]
+    off = [k for k, c in configs.items() if c.get("batch_invariant") is False]
+    return (f"batch-invariant routes: in force for {', '.join(on) or 'none'}; off for {', '.join(off) or 'none'} "
+            f"({results['machine'].get('cpu_routes', 'CPU routes not recorded')})")
 
 
 def results_headline_temp(results: dict) -> float:

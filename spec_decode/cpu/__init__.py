@@ -6,9 +6,10 @@ the one seam. ``set_packed_linears``/``set_panel_linears``/``set_invariant_linea
 a built model.
 """
 
-from spec_decode.cpu.capability import (bf16_runs_as_fp32, fp32_packs, onednn_bf16_native, onednn_fp32_packing_pays,
-                                        panel_gemm_pays)
+from spec_decode.cpu.capability import (CPU_KINDS, bf16_runs_as_fp32, cpu_kind, fp32_packs, onednn_bf16_native,
+                                        onednn_fp32_packing_pays, panel_gemm_pays, routes_summary)
 from spec_decode.cpu.linear import Linear, set_invariant_linears, set_packed_linears, set_panel_linears
 
-__all__ = ["Linear", "bf16_runs_as_fp32", "fp32_packs", "onednn_bf16_native", "onednn_fp32_packing_pays",
-           "panel_gemm_pays", "set_invariant_linears", "set_packed_linears", "set_panel_linears"]
+__all__ = ["CPU_KINDS", "Linear", "bf16_runs_as_fp32", "cpu_kind", "fp32_packs", "onednn_bf16_native",
+           "onednn_fp32_packing_pays", "panel_gemm_pays", "routes_summary", "set_invariant_linears", "set_packed_linears",
+           "set_panel_linears"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
 from spec_decode.cpu import cpu_gemm
+from spec_decode.dtypes import cpu_flags
 
 FP32_PACK_MIN_OUT = 1024            # AVX-512 fp32: outputs from which oneDNN beats F.linear on two rows or more
 FP32_PACK_ONE_ROW_MIN_OUT = 3072    # ... and on one row
@@ -59,3 +61,52 @@ def onednn_fp32_packing_pays() -> bool:
 def bf16_runs_as_fp32() -> bool:
     """True on a CPU without native bf16 matmuls, where ``Linear`` computes bf16 from float32 weights."""
     return not onednn_bf16_native() and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
+CPU_KINDS = ("amx", "avx512_bf16", "avx512", "avx2", "no-avx2")
+"""The CPU kinds the project meets, best first: each takes other routes (figures are labelled with it)."""
+
+
+def cpu_kind(flags: set[str] | None = None) -> str:
+    """This CPU's kind, one of ``CPU_KINDS``, from its flags (``flags`` replaces ``dtypes.cpu_flags()``)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "no-avx2"
+
+
+def routes_summary() -> str:
+    """One line: the CPU kind and the routes this process takes, for test logs and benchmark results."""
+    isas = []
+    if cpu_gemm.available():
+        best = cpu_gemm.isa()
+        try:
+            isas = [name for name in cpu_gemm.ISAS if cpu_gemm.set_isa(name) == name]
+        finally:
+            cpu_gemm.set_isa(None)
+        kernel = f"panel kernel on {best} (paths this CPU runs: {', '.join(isas)})"
+    else:
+        kernel = "no panel kernel (batch-invariant routes off)"
+    return (f"CPU kind {cpu_kind()}, torch capability {torch.backends.cpu.get_cpu_capability()}; {kernel}; "
+            f"oneDNN bf16 {'native' if onednn_bf16_native() else 'not native'}")
+
+
+KERNELS_MISSING = ("the CPU kernels (spec_decode.cpu.cpu_gemm) cannot run here: an x86-64 CPU with AVX2 and FMA and "
+                   "a C compiler are needed")
+"""Why the batch-invariant routes are off on a CPU without the kernels (warnings and ValueErrors say it)."""
+
+INVARIANCE_OFF_WARNED: set[str] = set()
+"""The reasons ``warn_batch_invariance_off`` has warned of in this process (a test may clear it)."""
+
+
+def warn_batch_invariance_off(reason: str) -> None:
+    """One RuntimeWarning per ``reason`` and process: the default ``batch_invariant=None`` fell back."""
+    if reason not in INVARIANCE_OFF_WARNED:
+        INVARIANCE_OFF_WARNED.add(reason)
+        warnings.warn(f"safespec: the batch-invariant routes are off ({reason}); a row's bits may depend on the "
+                      f"row count and the batch (pass batch_invariant=False to choose this silently)",
+                      RuntimeWarning, stacklevel=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spec_decode.cpu import cpu_gemm
-from spec_decode.cpu.capability import (bf16_runs_as_fp32, fp32_packs, onednn_bf16_native, onednn_fp32_packing_pays,
-                                        panel_gemm_pays)
+from spec_decode.cpu.capability import (KERNELS_MISSING, bf16_runs_as_fp32, fp32_packs, onednn_bf16_native,
+                                        onednn_fp32_packing_pays, panel_gemm_pays, warn_batch_invariance_off)
 
 
 _PLAIN, _BF16_PACKED, _BF16_AS_FP32, _FP32, _INVARIANT = "plain", "bf16 packed", "bf16 as fp32", "fp32", "invariant"
@@ -46,10 +47,13 @@ class Linear(nn.Linear):
       weight. Results equal ``F.linear``'s to float32 rounding, NaN and Inf included.
 
     Each route keeps a second copy of the weight (packed, panels or float32), rebuilt when the weight is
-    replaced or changed in place; ``set_packed_linears(module, False)`` turns them all off.
-    Everywhere else (grad mode, CUDA, fp16, ``torch.compile``, weights created under
-    ``torch.inference_mode``, which keep no version counter), and with ``packed=None`` on a CPU
-    the rules above leave out, it is ``nn.Linear``. State dicts are ``nn.Linear``'s.
+    replaced or changed in place; ``set_packed_linears(module, False)`` turns them all off. Weights
+    created under ``torch.inference_mode`` keep no version counter, so no copy of them can be kept:
+    the batch-invariant route packs them anew on every call (correct, slower; one warning says so,
+    and ``SpecDecoder`` turns such weights into ordinary ones), the other routes leave them to
+    ``F.linear``. Everywhere else (grad mode, CUDA, fp16, ``torch.compile``), and with
+    ``packed=None`` on a CPU the rules above leave out, it is ``nn.Linear``. State dicts are
+    ``nn.Linear``'s.
     """
 
     packed: bool | None = None   # None: on where the CPU rules above apply (decided at first use)
@@ -65,16 +69,15 @@ class Linear(nn.Linear):
         w, b = self.weight, self.bias
         # compiled graphs keep F.linear, checked first: the rules below would break the graph at every
         # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager.
-        # Inference tensors keep no version counter, so an in-place change could not be seen.
         if torch.compiler.is_compiling():
             return F.linear(x, w, b)
         route = self._route_by_dtype.get((x.dtype, w.dtype)) or self._route(x.dtype, w.dtype)
-        if (route is _PLAIN or torch.is_grad_enabled() or not x.is_cpu or w.is_inference()
-                or torch.is_autocast_enabled("cpu")):
+        if route is _PLAIN or torch.is_grad_enabled() or not x.is_cpu or torch.is_autocast_enabled("cpu"):
             return F.linear(x, w, b)
         if route is _INVARIANT:   # any row count: the kernel's k order is what makes a row batch invariant
             return self._panel_weight(w, b)(x)
-        if self.packed is False:
+        # Inference tensors keep no version counter, so an in-place change could not be seen.
+        if self.packed is False or w.is_inference():
             return F.linear(x, w, b)
         if route is _BF16_PACKED:
             return self._run_packed(x, self._cached("_packed", w, 1), b)
@@ -96,9 +99,7 @@ class Linear(nn.Linear):
             if cpu_gemm.available():
                 self._route_by_dtype[(x_dtype, w_dtype)] = _INVARIANT
                 return _INVARIANT
-            warnings.warn("safespec: batch-invariant projections need the panel kernel (spec_decode.cpu.cpu_gemm), "
-                          "which cannot run here; torch's routes serve, so a row's bits may depend on the row "
-                          "count", RuntimeWarning, stacklevel=3)
+            warn_batch_invariance_off(KERNELS_MISSING)
         if x_dtype is torch.bfloat16 and w_dtype is torch.bfloat16:
             if self.packed is None and bf16_runs_as_fp32():
                 route = _BF16_AS_FP32
@@ -136,12 +137,18 @@ class Linear(nn.Linear):
     def _panel_weight(self, w: Tensor, b: Tensor | None) -> cpu_gemm.PanelWeight:
         """The layer's weight and bias packed for ``cpu_gemm``, rebuilt when either changed. The panels
         keep the weight's dtype (a bf16 layer streams bf16 and keeps no float32 copy on this path)."""
+        if w.is_inference() or (b is not None and b.is_inference()):
+            _warn_packing_inference_weights()
+            return self._pack_panels(w, b)   # no version counter: nothing tells when a kept copy goes stale
         key = _weights_key(w, b)
         cached = self.__dict__.get("_panel")
         if cached is None or cached[0] != key:
-            weight = w.detach() if self.panel_dtype is None else w.detach().to(self.panel_dtype)
-            cached = self.__dict__["_panel"] = (key, cpu_gemm.PanelWeight(weight, None if b is None else b.detach()))
+            cached = self.__dict__["_panel"] = (key, self._pack_panels(w, b))
         return cached[1]
+
+    def _pack_panels(self, w: Tensor, b: Tensor | None) -> cpu_gemm.PanelWeight:
+        weight = w.detach() if self.panel_dtype is None else w.detach().to(self.panel_dtype)
+        return cpu_gemm.PanelWeight(weight, None if b is None else b.detach())
 
     def _cached(self, name: str, weight: Tensor, rows_hint: int) -> Tensor:
         """``weight`` packed for oneDNN, cached under ``name`` until the layer's own weight changes."""
@@ -151,6 +158,15 @@ class Linear(nn.Linear):
         if cached is None or cached[0] != key:
             cached = self.__dict__[name] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint))
         return cached[1]
+
+
+@functools.cache
+def _warn_packing_inference_weights() -> None:
+    """One warning a process: a batch-invariant layer's weights are inference tensors, packed on every call."""
+    warnings.warn("safespec: a Linear's weights were created under torch.inference_mode, so the batch-invariant "
+                  "route packs them on every call (same bits, slower); load the model outside inference_mode, or "
+                  "pass it through SpecDecoder or spec_decode.models.ordinary_parameters", RuntimeWarning,
+                  stacklevel=4)
 
 
 def _weights_key(w: Tensor, b: Tensor | None) -> tuple:

@@ -24,11 +24,13 @@ from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, load_drafter
 from spec_decode.models.kv_cache import KVCache
-from spec_decode.models.layers import Attention, DecoderLayer, RMSNorm, set_batch_invariant, set_exact_nan
+from spec_decode.models.layers import (Attention, DecoderLayer, RMSNorm, batch_invariant_blocker, batch_invariant_in_force,
+                                       ordinary_parameters, set_batch_invariant, set_exact_nan)
 from spec_decode.models.masks import LayerInputs, build_attention_mask, causal_block_mask, prepare_block
 from spec_decode.models.transformer import ModelOutput, Transformer
 
 __all__ = ["Attention", "DecoderLayer", "DraftOutput", "Eagle3Head", "EagleHead", "KVCache", "LayerInputs",
            "ModelConfig", "ModelOutput", "RMSNorm", "Transformer", "apply_rope", "build_attention_mask",
-           "causal_block_mask", "load_drafter", "prepare_block", "rope_cos_sin", "rope_inv_freq", "set_batch_invariant",
+           "batch_invariant_blocker", "batch_invariant_in_force", "causal_block_mask", "load_drafter",
+           "ordinary_parameters", "prepare_block", "rope_cos_sin", "rope_inv_freq", "set_batch_invariant",
            "set_exact_nan"]

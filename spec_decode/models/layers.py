@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
+from spec_decode.cpu.capability import KERNELS_MISSING
 from spec_decode.cpu.attention import invariant_attention
 from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import apply_rope
@@ -194,23 +195,58 @@ def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
 
     None (the default) or True: on where they run (the CPU, float32 and bf16, ``cpu_gemm.available()``);
     False: the fastest routes, whose bits may depend on the row count, ``kv_len`` and the batch.
-    True on a module whose parameters are not on the CPU, or where the kernels cannot run, is a
-    ValueError: there is no batch-invariant route for it yet.
+    True where they cannot run (parameters off the CPU, float16, a CPU without the kernels) is a
+    ValueError naming why: there is no batch-invariant route for it yet.
     """
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"batch_invariant must be True, False or None, got {on!r}")
     if on:
-        devices = {p.device.type for p in module.parameters()}
-        if devices - {"cpu"}:
-            raise ValueError(f"batch_invariant=True: only CPU models have batch-invariant routes, this one is on "
-                             f"{sorted(devices)} (pass None or False)")
-        if not cpu_gemm.available():
-            raise ValueError("batch_invariant=True: the CPU kernels (spec_decode.cpu.cpu_gemm) cannot run here: "
-                             "an x86-64 CPU with AVX2 and FMA and a C compiler are needed (pass None or False)")
+        blocker = batch_invariant_blocker(module)
+        if blocker is not None:
+            raise ValueError(f"batch_invariant=True: {blocker} (pass None or False)")
     set_invariant_linears(module, on)
     for m in module.modules():
         if isinstance(m, (Attention, MLP)):
             m.batch_invariant = on
+
+
+def batch_invariant_blocker(module: nn.Module) -> str | None:
+    """Why ``module`` cannot take the batch-invariant routes, or None when it can (see ``set_batch_invariant``)."""
+    params = list(module.parameters())
+    devices = {p.device.type for p in params}
+    if devices - {"cpu"}:
+        return f"only CPU models have batch-invariant routes, this one is on {sorted(devices)}"
+    dtypes = {p.dtype for p in params if p.is_floating_point()} - set(cpu_gemm.KERNEL_DTYPES)
+    if dtypes:
+        return f"the batch-invariant kernels take float32 and bfloat16, this model holds {sorted(map(str, dtypes))}"
+    if not cpu_gemm.available():
+        return KERNELS_MISSING
+    return None
+
+
+def batch_invariant_in_force(module: nn.Module) -> bool:
+    """True when every projection and attention layer of ``module`` takes its batch-invariant route in eager
+    inference: nothing blocks it (``batch_invariant_blocker``) and no layer was switched off."""
+    layers = [m for m in module.modules() if isinstance(m, (Linear, Attention, MLP))]
+    return (batch_invariant_blocker(module) is None
+            and all(m.batch_invariant is not False and getattr(m, "panel", None) is not False for m in layers))
+
+
+def ordinary_parameters(module: nn.Module) -> None:
+    """Replace every parameter of ``module`` created under ``torch.inference_mode`` by an ordinary copy.
+
+    Inference tensors keep no version counter, so a layer could not see an in-place change to a weight
+    it packed; a model loaded under ``inference_mode`` would then lose its packed and batch-invariant
+    routes. Tied parameters stay tied (one copy each); ordinary parameters are left alone.
+    """
+    copies: dict[int, nn.Parameter] = {}
+    with torch.inference_mode(False):
+        for m in module.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None and p.is_inference():
+                    if id(p) not in copies:
+                        copies[id(p)] = nn.Parameter(p.clone(), requires_grad=p.requires_grad)
+                    m._parameters[name] = copies[id(p)]
 
 
 def set_exact_nan(module: nn.Module, on: bool | None, dtype: torch.dtype) -> None:

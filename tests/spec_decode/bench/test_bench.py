@@ -23,7 +23,8 @@ import torch
 from spec_decode.bench import main
 from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
-from spec_decode.bench.report import markdown_table
+from spec_decode.bench.report import invariance_line, markdown_table
+from spec_decode.cpu import cpu_kind
 from spec_decode.bench.harness import CONTRACT_KEYS, percentile
 from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
@@ -86,15 +87,21 @@ def test_results_json_follows_the_contract(bench_run):
     assert r["config"]["num_prompts"] == NUM_PROMPTS and r["config"]["max_new_tokens"] == MAX_NEW
     configs = r["config"]["method_configs"]
     assert configs["eagle_chain"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": 4,
-                                      "topk": 1, "num_draft_tokens": 5, "draft_sampling": "auto"}
+                                      "topk": 1, "num_draft_tokens": 5, "draft_sampling": "auto",
+                                      "batch_invariant": True}
     # eagle_auto: a chain up to depth 6, the depth chosen by the decoder (as the decoder reports it)
     assert configs["eagle_auto"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": "auto",
-                                     "max_steps": 6, "topk": 1, "num_draft_tokens": 7, "draft_sampling": "auto"}
+                                     "max_steps": 6, "topk": 1, "num_draft_tokens": 7, "draft_sampling": "auto",
+                                     "batch_invariant": True}
     assert configs["eagle_lookup"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": 5, "topk": 1,
                                        "num_draft_tokens": 6, "lookup_ngram": 3, "lookup_tokens": 8,
-                                       "draft_sampling": "auto"}
+                                       "draft_sampling": "auto", "batch_invariant": True}
     for key in ("ar", "hf_generate", "hf_assisted"):
         assert "draft_sampling" not in configs[key], key
+    assert configs["ar"]["batch_invariant"] is True and "batch_invariant" not in configs["hf_generate"]
+    assert f"CPU kind {cpu_kind()}" in r["machine"]["cpu_routes"]
+    line = invariance_line(r)
+    assert line.startswith("batch-invariant routes: in force for ") and "ar" in line and "off for none" in line
     for key, e in r["methods"].items():
         assert set(CONTRACT_KEYS) <= set(e), key
         for name in ("tokens_per_s", "p50_step_ms", "p90_step_ms", "peak_mem_mb"):

@@ -18,6 +18,8 @@ on such a CPU without AMX, the kind it was found on.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -316,3 +318,55 @@ def test_issue_repro_batch_mates_change_no_token(request, safespec_tiny_target_p
 @OLD_ROUTES_FLIP_TOKENS
 def test_mutant_issue_repro_with_the_old_routes(request, safespec_tiny_target_path, token_lines):
     assert _batch_mates_differ(request, safespec_tiny_target_path, token_lines, False)["greedy"]
+
+
+# ------------------------------------------------------------------------------------------ settings
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_a_model_loaded_under_inference_mode_keeps_the_invariant_routes(safespec_tiny_target_path, token_lines,
+                                                                        dtype):
+    """Inference tensors keep no version counter; the invariant route still serves them (packed per call)."""
+    with torch.inference_mode():
+        model = Transformer.from_pretrained(safespec_tiny_target_path, dtype=dtype)
+    assert next(model.parameters()).is_inference()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "safespec: a Linear's weights were created under torch.inference_mode")
+        views = _logits_views(model, token_lines[25], token_lines[20])
+    assert _differing_views(views) == []
+
+
+def test_specdecoder_turns_inference_weights_into_ordinary_ones(safespec_tiny_target_path, safespec_tiny_eagle3_path):
+    with torch.inference_mode():
+        dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, safespec_tiny_eagle3_path, method="eagle3",
+                                          dtype=torch.float32)
+    assert dec.batch_invariant is True
+    assert not any(p.is_inference() for m in (dec.target, dec.drafter) for p in m.parameters())
+    head = dec.target.lm_head.weight if hasattr(dec.target, "lm_head") else None
+    if head is not None and getattr(dec.target.config, "tie_word_embeddings", False):
+        assert head is dec.target.embed_tokens.weight   # ties survive the copy
+
+
+def test_batch_invariant_true_is_refused_where_it_cannot_be_honoured(safespec_tiny_target_path):
+    fp16 = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float16)
+    with pytest.raises(ValueError, match="batch_invariant=True.*float16"):
+        SpecDecoder(fp16, method="none", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant=True.*float16"):
+        set_batch_invariant(fp16, True)
+    fp32 = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
+    with pytest.raises(ValueError, match="batch_invariant=True.*compile=True"):
+        SpecDecoder(fp32, method="none", batch_invariant=True, compile=True)
+
+
+def test_the_default_says_once_when_the_routes_are_off(safespec_tiny_target_path, monkeypatch):
+    from spec_decode.cpu import capability
+
+    monkeypatch.setattr(capability, "INVARIANCE_OFF_WARNED", set())
+    fp16 = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="batch-invariant routes are off.*float16"):
+        dec = SpecDecoder(fp16, method="none")
+    assert dec.batch_invariant is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SpecDecoder(fp16, method="none").batch_invariant is False   # once a process
+        fp32 = Transformer.from_pretrained(safespec_tiny_target_path, dtype=torch.float32)
+        assert SpecDecoder(fp32, method="none").batch_invariant is True
+        assert SpecDecoder(fp32, method="none", batch_invariant=False).batch_invariant is False

@@ -318,19 +318,26 @@ def test_the_panel_kernel_takes_few_rows_and_more_on_one_thread(threads, rows, p
     torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_weights_made_under_inference_mode_are_never_packed():
-    """They keep no version counter, so an in-place change could not invalidate a packed copy."""
+@pytest.mark.filterwarnings("ignore:safespec. a Linear's weights were created under torch.inference_mode")
+@pytest.mark.parametrize("invariant", [None, False])
+def test_weights_made_under_inference_mode_are_never_kept_packed(invariant):
+    """They keep no version counter, so no packed copy is kept and an in-place change is always seen: the
+    batch-invariant route packs them on every call (the kernel's bits), the other routes leave them to
+    F.linear."""
     import torch.nn.functional as F
+    from spec_decode.cpu import cpu_gemm, set_invariant_linears
 
+    if invariant is None and not cpu_gemm.available():
+        pytest.skip("the batch-invariant route needs cpu_gemm")
     with torch.inference_mode():
         lin = _packable_linear(32, 16, False)
-        x = torch.randn(1, 2, 16).to(torch.bfloat16)
-        lin(x)
-        lin.weight.mul_(3)
-        assert torch.equal(lin(x), F.linear(x, lin.weight))
         lin32 = _packable_linear(32, 16, False).float()
-        x32 = torch.randn(1, 2, 16)
-        lin32(x32)
-        lin32.weight.mul_(3)
-        assert torch.equal(lin32(x32), F.linear(x32, lin32.weight))
-    assert "_packed" not in lin.__dict__ and "_panel" not in lin32.__dict__
+        for layer in (lin, lin32):
+            set_invariant_linears(layer, invariant)
+        x, x32 = torch.randn(1, 2, 16).to(torch.bfloat16), torch.randn(1, 2, 16)
+        for layer, inp in ((lin, x), (lin32, x32)):
+            layer(inp)
+            layer.weight.mul_(3)
+            want = cpu_gemm.PanelWeight(layer.weight)(inp) if invariant is None else F.linear(inp, layer.weight)
+            assert torch.equal(layer(inp), want)
+    assert all(k not in layer.__dict__ for layer in (lin, lin32) for k in ("_packed", "_panel", "_fp32"))
