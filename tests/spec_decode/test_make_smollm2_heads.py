@@ -7,11 +7,15 @@ bf16 head with its MANIFEST.json entry).
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -398,3 +402,109 @@ def test_agreement_on_the_evaluation_sets(msh, build, shipped_target):
     hits = sum(int((w == only).sum()) for w in wanted)
     assert msh.step1_agreement(head, shard, 3) == {"step1_agreement": round(hits / (3 * NEW_TOKENS), 4),
                                                      "positions": 3 * NEW_TOKENS}
+
+
+# ------------------------------------------------------------------ the command line and stopping
+class WorkStarted(Exception):
+    """Raised by ``no_work``'s stand-ins: the script got past its checks."""
+
+
+@pytest.fixture
+def no_work(msh, monkeypatch):
+    """Make the default target's conversion and every stage raise WorkStarted."""
+    def refuse(*args, **kwargs):
+        raise WorkStarted("work started before the bad value was rejected")
+
+    monkeypatch.setattr(msh, "default_target_dir", refuse)
+    monkeypatch.setattr(msh, "STAGES", {name: refuse for name in msh.STAGES})
+
+
+BAD_ARGS = {   # name -> (fn(tmp) -> bad values, the option the error names)
+    "threads_zero": (lambda t: ["--threads", "0"], "--threads"),
+    "threads_negative": (lambda t: ["--threads", "-1"], "--threads"),
+    "threads_past_the_cpus": (lambda t: ["--threads", str((os.cpu_count() or 1) + 1)], "--threads"),
+    "shards_zero": (lambda t: ["--shards", "0"], "--shards"),
+    "shards_negative": (lambda t: ["--shards", "-3"], "--shards"),
+    "shard_rows_zero": (lambda t: ["--shard-rows", "0"], "--shard-rows"),
+    "new_tokens_negative": (lambda t: ["--new-tokens", "-1"], "--new-tokens"),
+    "max_minutes_nan": (lambda t: ["--max-minutes", "nan"], "--max-minutes"),
+    "target_missing": (lambda t: ["--target", "/nonexistent"], "--target"),
+    "target_a_file": (lambda t: ["--target", str(_a_file(t))], "--target"),
+    "work_dir_a_file": (lambda t: ["--work-dir", str(_a_file(t))], "--work-dir"),
+    "work_dir_under_a_file": (lambda t: ["--work-dir", str(_a_file(t) / "work")], "--work-dir"),
+    "out_dir_a_file": (lambda t: ["--out-dir", str(_a_file(t))], "--out-dir"),
+}
+
+
+def _a_file(tmp: Path) -> Path:
+    path = tmp / "a-file"
+    path.write_text("x")
+    return path
+
+
+@pytest.mark.parametrize("probe", list(BAD_ARGS))
+def test_a_bad_argument_exits_2_naming_it_before_any_work(msh, no_work, tmp_path, capsys, probe,
+                                                          safespec_tiny_target_path):
+    bad, option = BAD_ARGS[probe]
+    argv = ["data", "--target", str(safespec_tiny_target_path), "--work-dir", str(tmp_path / "work"), *bad(tmp_path)]
+    with pytest.raises(SystemExit) as exc:
+        msh.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and re.search(re.escape(option) + r"(?![\w-])", line), line
+
+
+class _SignalledTarget:
+    """The tiny target, whose third forward sends this process SIGTERM; a forward long after it fails the
+    test (the loop went on generating)."""
+
+    def __init__(self, target, grace: int = 2):
+        self.target, self.grace, self.calls, self.after = target, grace, 0, 0
+        self.config, self.new_cache, self.compute_logits = target.config, target.new_cache, target.compute_logits
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.calls > 3:
+            self.after += 1
+            assert self.after <= self.grace, "the data stage went on generating after SIGTERM"
+        return self.target(*args, **kwargs)
+
+
+def _tiny_work(msh, tmp_path, target_dir) -> object:
+    """A work directory whose prompts.jsonl holds 2 held-out and 2 training prompts (no tokenizer needed)."""
+    work = msh.Work(tmp_path / "work", target_dir, tmp_path / "out", msh.SEED)
+    work.root.mkdir(parents=True)
+    rows = [{"id": f"chat:test:{i}", "kind": "chat", "text": f"prompt {i}", "held_out": i < 2,
+             "token_ids": [5 + i, 17, 99, 1023 + i]} for i in range(4)]
+    work.prompts_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return work
+
+
+def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh, shipped_target, tmp_path,
+                                                                             safespec_tiny_target_path, monkeypatch):
+    """SIGTERM mid-shard: the stage stops within a forward or two (not at the shard's end), writes no partial
+    shard, and the same command then generates every shard."""
+    work = _tiny_work(msh, tmp_path, safespec_tiny_target_path)
+    args = argparse.Namespace(shards=1, data_worker=(0, 1), shard_rows=2, new_tokens=48)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(msh.mf, "CLOCK", None)
+    try:
+        msh.mf.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
+        signalled = _SignalledTarget(shipped_target)
+        monkeypatch.setattr(msh, "load_target", lambda w: signalled)
+        t0 = time.monotonic()
+        with pytest.raises(msh.mf.Interrupted, match="signal"):
+            msh.stage_data(work, args)
+        assert time.monotonic() - t0 < 10 and signalled.calls < 10
+        assert not work.data_dir.exists() or not list(work.data_dir.iterdir())   # nothing half-written
+        msh.mf.CLOCK.stop_requested = False   # the rerun: a fresh process
+        monkeypatch.setattr(msh, "load_target", lambda w: shipped_target)
+        msh.stage_data(work, args)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert sorted(p.name for p in work.data_dir.iterdir()) == ["heldout-00000", "train-00000"]
+    assert len(msh.read_shard(work.data_dir / "train-00000")["prompt_lens"]) == 2
