@@ -32,6 +32,8 @@ if _SKIP_REASON is None:
         HostReads,
         applied_plugin,
         decode_step,
+        eagle_sample_on_cpu,
+        eagle_verify_case,
         make_forward_batch,
         make_model_runner,
         make_req,
@@ -258,12 +260,19 @@ class _AllReduceSpy:
         monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None, **_: self.calls.append(group))
 
 
-def _watermark_logprob_step(sampler, logits, reqs):
+def _cuda_watermark_force(logits, *args, **kwargs):
+    """What SGLang's CUDA watermark selector (``textseal_selector``) leaves of a row holding NaN: it has
+    no NaN gate, so the row becomes -inf everywhere but 0 at the selected token. Finite rows: unchanged."""
+    rows = torch.isnan(logits).any(-1)
+    logits[rows] = -float("inf")
+    logits[rows, 0] = 0.0
+
+
+def _watermark_logprob_step(sampler, logits, reqs, force=lambda logits, *a, **k: logits.add_(0.5)):
     """``ModelRunner.sample`` with a watermark and ``return_logprob``: SGLang's ``Sampler.forward``
     then preprocesses two tensors (the watermarked logits, then the pre-watermark ones for logprobs)."""
     runner = make_model_runner(sampler)
-    runner.watermark_state = types.SimpleNamespace(init_from_prompt=lambda *a, **k: None,
-                                                   force=lambda logits, *a, **k: logits.add_(0.5),
+    runner.watermark_state = types.SimpleNamespace(init_from_prompt=lambda *a, **k: None, force=force,
                                                    append=lambda *a, **k: None)
     rids = [req.rid for req in reqs]
     info = make_sampling_info(len(rids), VOCAB, greedy=True)
@@ -307,6 +316,47 @@ def test_sampler_counts_once_per_call_with_watermark_and_logprobs(sampler, monke
     assert torch.isfinite(logits_output.next_token_logprobs).all()  # the logprob tensor was sanitized too
     aborted = {req.rid for req in reqs if isinstance(req.finished_reason, FINISH_ABORT)}
     assert aborted == ({"req-a", "req-b"} if policy == "abort" else {"req-b"})
+
+
+@pytest.mark.parametrize("policy, aborted", [("guard", {"req-b"}), ("abort", {"req-a", "req-b"})])
+def test_watermark_cannot_hide_nan_from_the_policy(sampler, policy, aborted):
+    """The watermark rewrites a NaN row into a finite one (CUDA); the policy decides on the logits before it."""
+    reqs = [make_req(rid) for rid in RIDS]
+    with applied_plugin(policy):
+        logits_output = _watermark_logprob_step(sampler, _dead_and_partial_logits(), reqs, force=_cuda_watermark_force)
+    assert {req.rid for req in reqs if isinstance(req.finished_reason, FINISH_ABORT)} == aborted
+    assert all(req.skip_radix_cache_insert == (req.rid in aborted) for req in reqs)
+    assert torch.isfinite(logits_output.next_token_logprobs).all()
+
+
+def test_inf_on_one_rank_only_aborts_the_request_on_every_rank(sampler, monkeypatch):
+    """+Inf off the argmax on this rank only moves this rank's token; the other rank (simulated: its
+    counts are 0) would emit another one. The ranks disagree, so the request ends, under guard too."""
+    import torch.distributed as dist
+
+    sampler.tp_sync_group = "tp-group"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: tensor.clamp_(min=0))  # MAX with 0s
+    reqs = [make_req(rid) for rid in RIDS]
+    logits = _logits(3, {})
+    logits[2, 0] = float("inf")  # req-c: argmax NAN_COL on the other rank, column 0 here
+    with applied_plugin("guard"):
+        out, _ = decode_step(sampler, logits, reqs)
+    assert out.tolist() == [NAN_COL, NAN_COL, 0]
+    assert [req.rid for req in reqs if req.finished()] == ["req-c"]
+    message = reqs[2].finished_reason.message
+    assert "the ranks disagree" in message and "0-1 +-Inf logits" in message
+
+
+def test_client_abort_in_the_same_step_as_a_nan_still_skips_the_radix_insert(sampler):
+    reqs = [make_req(rid) for rid in RIDS]
+    reqs[1].to_finish = FINISH_ABORT("client went away")  # what SGLang's abort_request sets
+    with applied_plugin("guard"):
+        decode_step(sampler, _dead_and_partial_logits(), reqs)
+    assert reqs[1].finished_reason.message == "client went away"  # the client's reason is kept
+    assert reqs[1].skip_radix_cache_insert  # but the NaN step's KV stays out of the tree
+    assert list(reqs[1].output_ids_through_stop) == []
 
 
 @pytest.mark.parametrize("site", ["sampler", "verify"])
@@ -613,3 +663,99 @@ def test_hook_types_match_sglang_signatures():
     assert set(types_) == set(sglang_plugin.HOOK_TARGETS)
     assert types_[sglang_plugin.FINISH_TARGET] is HookType.BEFORE
     assert types_[sglang_plugin.ANNOUNCE_TARGET] is HookType.AFTER
+
+
+# ---------------------------------------------------------------- verify decides after SGLang's biases
+
+
+def _real_verify_step(policy, verify_input, batch, logits_output):
+    """SGLang's real ``eagle_sample`` (greedy, CPU) under the plugin, then its result copy and processing;
+    returns the target argmax it computed, [bs, draft_token_num]."""
+    from sglang.srt.speculative import eagle_utils
+
+    with eagle_sample_on_cpu(rejection_sampling=False) as seen, applied_plugin(policy):
+        eagle_utils.eagle_sample(verify_input, batch, logits_output, None)
+        result = GenerationBatchResult(logits_output=logits_output, copy_done=CopyDone(),
+                                       next_token_ids=torch.zeros(len(batch.reqs), dtype=torch.int64))
+        result.copy_to_cpu(return_logprob=False)
+        registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, batch, result)
+    return seen["target_predict"]
+
+
+@pytest.mark.parametrize("policy, columns, aborted", [("guard", 1, []), ("abort", 1, ["r1"]), ("guard", VOCAB, ["r1"])])
+def test_verify_decides_after_logit_bias_as_the_sampler_does(sampler, policy, columns, aborted):
+    """A NaN ``logit_bias`` (one column, or every column: a dead row) for r1 at verify, and the same at
+    the sampler: each path sanitizes or aborts r1 alike, and the NaN column is never the target argmax."""
+    verify_input, batch, logits_output = eagle_verify_case(3, DRAFT_TOKEN_NUM, VOCAB)
+    batch.sampling_info.logit_bias[1, NAN_COL:NAN_COL + 1 if columns == 1 else None] = NAN
+    batch.sampling_info.logit_bias[1, :0 if columns == 1 else None] = NAN
+    target_predict = _real_verify_step(policy, verify_input, batch, logits_output)
+    assert [req.rid for req in batch.reqs if isinstance(req.finished_reason, FINISH_ABORT)] == aborted
+    assert columns == VOCAB or not bool((target_predict[1] == NAN_COL).any())
+
+    reqs = [make_req(f"r{i}") for i in range(3)]
+    info = make_sampling_info(3, VOCAB, greedy=True)
+    info.logit_bias = batch.sampling_info.logit_bias
+    runner = make_model_runner(sampler)
+    logits_output = LogitsProcessorOutput(next_token_logits=_logits(3, {}))
+    with applied_plugin(policy):
+        ids = ModelRunner.sample(runner, logits_output, make_forward_batch(info, [r.rid for r in reqs]))
+        result = GenerationBatchResult(logits_output=logits_output, next_token_ids=ids, copy_done=CopyDone())
+        result.copy_to_cpu(return_logprob=False)
+        registered_hook(sglang_plugin.RESULT_TARGET)(process_like_sglang, None, types.SimpleNamespace(reqs=reqs), result)
+    assert [req.rid for req in reqs if isinstance(req.finished_reason, FINISH_ABORT)] == aborted
+
+
+# ---------------------------------------------------------------- refused paths
+
+
+@pytest.mark.parametrize("policy", ["sanitize", "guard", "abort", "raise"])
+def test_beam_search_requests_are_refused_with_the_plugins_message(policy):
+    """SGLang's ``BeamCoordinator.validate_and_init`` returns the plugin's error: SGLang answers 400."""
+    from sglang.srt.beam_search.coordinator import BeamCoordinator
+
+    coordinator = types.SimpleNamespace(spec_algorithm=types.SimpleNamespace(is_none=lambda: False))
+    req = make_req("beam")
+    with applied_plugin(policy):
+        error = BeamCoordinator.validate_and_init(coordinator, req, types.SimpleNamespace())
+    assert error is not None and "safespec NaN policy" in error and "Beam search" in error
+    with applied_plugin("off"):  # off: SGLang's own checks
+        assert "safespec" not in BeamCoordinator.validate_and_init(coordinator, req, types.SimpleNamespace())
+
+
+def _start(policy, mode):
+    """The plugin's start-up check (the ranks hook) on one rank, for a server in PD ``mode``."""
+    from sglang.srt.runtime_context import get_parallel
+
+    scheduler = types.SimpleNamespace(server_args=types.SimpleNamespace(disaggregation_mode=mode))
+    with applied_plugin(policy), get_parallel().override(world_group=types.SimpleNamespace(cpu_group=None), pp_size=1):
+        registered_hook(sglang_plugin.RANKS_TARGET)(None, scheduler)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("policy, refused", [("guard", True), ("abort", True), ("sanitize", False), ("raise", False),
+                                             ("off", False)])
+def test_pd_disaggregation_is_refused_at_start_up_under_guard_and_abort(policy, refused, mode):
+    _start(policy, "null")
+    if not refused:
+        _start(policy, mode)
+        return
+    with pytest.raises(sglang_plugin.SGLangPluginError, match=f"--disaggregation-mode {mode}") as info:
+        _start(policy, mode)
+    assert f"'{policy}'" in str(info.value) and "SAFESPEC_NAN_POLICY=sanitize or off" in str(info.value)
+
+
+def test_bad_policy_fails_the_start_naming_the_variable_and_the_allowed_values(monkeypatch):
+    from sglang.srt.runtime_context import get_parallel
+
+    monkeypatch.setenv("SAFESPEC_NAN_POLICY", "gaurd")
+    with restoring_hook_targets():
+        with pytest.raises(sglang_plugin.SGLangPluginError) as info:
+            sglang_plugin.register()
+        assert set(HookRegistry._hooks) == {sglang_plugin.RANKS_TARGET}  # the rank still reports, and fails
+        with get_parallel().override(world_group=types.SimpleNamespace(cpu_group=None), pp_size=1):
+            with pytest.raises(sglang_plugin.SGLangPluginError) as at_start:
+                registered_hook(sglang_plugin.RANKS_TARGET)(None, object())
+    for message in (str(info.value), str(at_start.value)):
+        assert "SAFESPEC_NAN_POLICY" in message and "'gaurd'" in message
+        assert all(f"'{p.value}'" in message for p in NanPolicy), message
