@@ -54,7 +54,7 @@ $(SGLANG_STAMP): pyproject.toml requirements/sglang-cpu.txt requirements/smollm2
 	touch $(SGLANG_STAMP)
 
 test-sglang: $(SGLANG_STAMP)
-	TRITON_INTERPRET=1 $(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/integrations/test_sglang_plugin.py tests/spec_decode/integrations/test_sglang_ranks.py tests/spec_decode/integrations/test_sglang_engine.py tests/spec_decode/integrations/test_sglang_coverage.py
+	TRITON_INTERPRET=1 $(SGLANG_PY) -m pytest -q -p no:safespec tests/spec_decode/integrations/test_sglang_plugin.py tests/spec_decode/integrations/test_sglang_ranks.py tests/spec_decode/integrations/test_sglang_engine.py tests/spec_decode/integrations/test_sglang_coverage.py tests/spec_decode/integrations/test_sglang_clean.py
 
 # The main job: every method side by side on the shipped tiny models (results in bench_out/).
 bench: $(STAMP)

@@ -353,7 +353,7 @@ def agree_cost_rank(rank: int, calls: int, batch: int) -> dict:
 
     from spec_decode.integrations import sglang_plugin
 
-    counts = torch.zeros(2, batch, dtype=torch.int32)  # [2, num_reqs], as the hooks reduce it
+    counts = torch.zeros(3, batch, dtype=torch.int32)  # [3, num_reqs] (nan, dead_rows, inf), as the hooks reduce it
     for _ in range(10):  # warm-up
         sglang_plugin.agree(counts, (dist.group.WORLD,))
     dist.barrier()

@@ -27,12 +27,13 @@ DOC = Path(__file__).parents[3] / "docs" / "sglang.md"
 SRT = "sglang.srt."
 SCANNED = ("speculative", "dllm", "hardware_backend", "sampling", "beam_search", "layers/sampler.py")
 """Folders (and a file) of sglang/srt scanned for token-sampling call sites."""
-SAMPLING_CALL = re.compile(r"(argmax|multinomial|sampling_from_probs|speculative_sampling_\w+|eagle_sample|run_eagle_verify)\(")
+SAMPLING_CALL = re.compile(r"(argmax|multinomial|\btopk|sampling_from_probs|speculative_sampling_\w+|eagle_sample|run_eagle_verify)\(")
+"""A call that can pick tokens: ``topk`` as a name of its own (``torch.topk(``, ``x.topk(``), not ``tree_topk(``."""
 VERIFY_NAMES = ("run_eagle_verify", "eagle_sample")
 VERIFY_HOMES = {"run_eagle_verify": SRT + "speculative.eagle_worker_common", "eagle_sample": SRT + "speculative.eagle_utils"}
 CUDA_ONLY = ("flashinfer",)
 """Packages a scanned module may import at module level that have no CPU build."""
-STATES = ("covered", "not covered", "not target")
+STATES = ("covered", "not covered", "not target", "refused")
 
 
 def _table(marker: str) -> list[list[str]]:
@@ -233,3 +234,24 @@ def test_distributed_table_has_every_setting_and_names_tests_that_exist():
         for file, name in TEST_REF.findall(row[2]):
             source = (here / file).read_text()
             assert not name or f"def {name}(" in source, f"{file}::{name} named in docs/sglang.md does not exist"
+
+
+@pytest.mark.parametrize("line, picks", [("v, t = torch.topk(x, k, dim=-1)", True), ("idx = scores.reshape(-1).topk(n)", True),
+                                         ("n = info.tree_topk()", False), ("if spec.need_topk():", False)])
+def test_the_pattern_finds_topk_calls(line, picks):
+    assert bool(SAMPLING_CALL.search(line)) is picks
+
+
+def test_the_scan_catches_a_module_left_out_of_the_table():
+    """Mutant: the table without its beam_search rows (which pick tokens by topk only). The scan must name them."""
+    listed = {_code(row[0]) for row in MODULES if not _code(row[0]).startswith("beam_search.")}
+    assert {"beam_search.coordinator", "beam_search.joint_select"} <= _modules_with_sampling_calls() - listed
+
+
+def test_refused_modules_are_refused_by_the_plugin():
+    """A ``refused`` row is a path the plugin turns away: beam search, through its hook on SGLang's beam check."""
+    from spec_decode.integrations.sglang_plugin import BEAM_TARGET
+
+    refused = [_code(row[0]) for row in MODULES if row[1] == "refused"]
+    assert refused and all(module.startswith("beam_search.") for module in refused)
+    assert BEAM_TARGET.startswith(SRT + "beam_search.")
