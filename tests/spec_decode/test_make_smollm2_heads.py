@@ -508,3 +508,47 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
             signal.signal(sig, handler)
     assert sorted(p.name for p in work.data_dir.iterdir()) == ["heldout-00000", "train-00000"]
     assert len(msh.read_shard(work.data_dir / "train-00000")["prompt_lens"]) == 2
+
+
+# ------------------------------------------------------------------------------------------ the data passes
+def _draws(msh, logits, n, seed=0):
+    return msh.next_tokens(logits.expand(n, -1), torch.ones(n, dtype=torch.bool), torch.Generator().manual_seed(seed))
+
+
+def _wrong_next_tokens(logits, sampled, generator):
+    """A mutant: the cumulative distribution of the logits instead of their softmax."""
+    cdf = logits.float().cumsum(-1) - logits.min()
+    u = torch.rand(logits.shape[0], 1, generator=generator) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u)[:, 0].clamp_max(logits.shape[-1] - 1)
+
+
+def test_next_tokens_samples_the_softmax_and_a_mutant_is_caught(msh):
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    logits = probs.log()[None] + 3.0
+    n = 40_000
+    freq = torch.bincount(_draws(msh, logits, n), minlength=5).float() / n
+    assert (freq - probs).abs().max() < 0.012          # about 5 standard errors at 40,000 draws
+    wrong = torch.bincount(_wrong_next_tokens(logits.expand(n, -1), None, torch.Generator().manual_seed(0)),
+                           minlength=5).float() / n
+    assert (wrong - probs).abs().max() > 0.05
+    greedy = msh.next_tokens(logits.expand(3, -1), torch.tensor([False, True, False]), torch.Generator())
+    assert greedy[0] == greedy[2] == 2
+
+
+def test_the_split_passes_make_the_incremental_pipelines_data(msh, shipped_target):
+    """Greedy rows: the same ids; every row: the same features to float rounding (fp16 storage)."""
+    prompts = [[5, 17, 99, 1023], [7, 3, 200], [11, 12, 13, 14, 15, 16], [9, 8]]
+    temps = [0.0, 1.0, 0.0, 1.0]
+    recipe = msh.DataRecipe(new_tokens=10, feature_rows=3)
+    aux_layers = msh.aux_layers_of(shipped_target)
+    split = msh.continue_rows(shipped_target, prompts, temps, recipe, aux_layers, torch.Generator().manual_seed(1))
+    old = msh.continue_rows_incremental(shipped_target, prompts, temps, recipe, aux_layers,
+                                        torch.Generator().manual_seed(1))
+    for r, (a, b) in enumerate(zip(split, old)):
+        assert a["ids"].shape == b["ids"].shape == (len(prompts[r]) + 10,)
+        assert a["aux"].shape == b["aux"].shape and a["topk_lp"].shape == b["topk_lp"].shape
+        if temps[r] == 0:
+            assert torch.equal(a["ids"], b["ids"])
+            torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(a["topk_lp"].float(), b["topk_lp"].float(), atol=2e-2, rtol=1e-2)
+            assert torch.equal(a["topk_ids"][:, 0], b["topk_ids"][:, 0])
