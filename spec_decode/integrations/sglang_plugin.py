@@ -545,7 +545,9 @@ def register(nan_policy: NanPolicy | str | None = None) -> PluginState | None:
     if one is missing, registers only the start-up check (reporting ``refused: <why>``)
     and raises ``SGLangPluginError`` naming it (SGLang's ``load_plugins`` logs the error,
     applies what was registered and serves without the policy). Calling it again in the
-    same process is a no-op. The policy line is logged by each scheduler once SGLang
+    same process is a no-op. An unknown policy registers only the start-up check, which fails
+    the start on every rank, and raises ``SGLangPluginError`` naming ``SAFESPEC_NAN_POLICY``
+    and the allowed values. The policy line is logged by each scheduler once SGLang
     configured its logging (``announce``).
 
     Returns the shared ``PluginState``, or None when nothing was registered.

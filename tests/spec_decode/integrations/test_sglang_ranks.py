@@ -121,6 +121,15 @@ def _agreement_rank(rank: int, policy: str) -> dict:
             logits[1, int(logits[1].argmax())] = NAN  # req-a: a partial NaN in a tree node, this rank only
         _verify_step(reqs, logits)
         out["verify"] = _aborted(reqs)
+
+        reqs = [make_req(rid) for rid in RIDS]
+        logits = _logits(len(reqs))
+        if rank == 1:  # +-Inf on this rank only: its argmax moves for req-a and req-c, not req-b
+            logits[0, int(logits[0].argmax())] = -float("inf")
+            logits[2, int(logits[2].argmin())] = float("inf")
+        tokens, _ = decode_step(sampler, logits, reqs)
+        out["inf"] = _aborted(reqs)
+        out["inf_tokens"] = tokens.tolist()
     return out
 
 
@@ -163,6 +172,7 @@ STARTUP_SCENARIOS = {
     "off": {"SAFESPEC_NAN_POLICY": "off"},
     "refused": {"SAFESPEC_TEST_REFUSE": "1"},  # a required symbol is missing on rank 1 only
     "not-allowed": {"SGLANG_PLUGINS": "other_plugin"},  # rank 1 never loads the plugin: it cannot report
+    "bad-policy": {"SAFESPEC_NAN_POLICY": "gaurd"},  # a typo on rank 1 only
 }
 
 
@@ -251,6 +261,16 @@ def test_ranks_finish_the_same_requests_when_only_one_rank_sees_nan(two_ranks, p
         assert out["sampler_host_syncs"] == [], f"rank {rank}: the reduction must not read the device"
 
 
+@pytest.mark.parametrize("policy", ["guard", "abort"])
+def test_ranks_finish_the_same_requests_when_only_one_rank_sees_inf(two_ranks, policy):
+    """-Inf at req-a's argmax and +Inf off req-c's on rank 1 only: the ranks' tokens part for those
+    two, so both ranks end them (the counts of +-Inf are reduced like NaN); req-b goes on."""
+    tokens = [out[policy]["inf_tokens"] for out in two_ranks]
+    assert tokens[0][1] == tokens[1][1] and tokens[0][0] != tokens[1][0] and tokens[0][2] != tokens[1][2]
+    for rank, out in enumerate(two_ranks):
+        assert out[policy]["inf"] == ["req-a", "req-c"], f"rank {rank}"
+
+
 def test_raise_stops_every_rank_naming_the_request(two_ranks):
     assert [out["raise"] for out in two_ranks] == [{"req-b": 1}, {"req-b": 1}]
 
@@ -275,6 +295,16 @@ def test_start_fails_on_both_ranks_naming_rank_1_when_it_is_off_or_refused(two_r
         assert start["elapsed_s"] < STARTUP_TIMEOUT_S, (rank, start["elapsed_s"])
 
 
+def test_start_fails_within_seconds_on_every_rank_when_one_has_a_bad_policy(two_ranks):
+    """``SAFESPEC_NAN_POLICY=gaurd`` on rank 1 only: rank 1 still reports, so neither waits out the timeout."""
+    for rank, out in enumerate(two_ranks):
+        start = out["start"]["bad-policy"]
+        assert start["checked"] and start["error"] is not None, (rank, start)
+        assert "SAFESPEC_NAN_POLICY" in start["error"] and "'gaurd'" in start["error"], (rank, start["error"])
+        assert all(f"'{p.value}'" in start["error"] for p in NanPolicy), start["error"]
+        assert start["elapsed_s"] < STARTUP_TIMEOUT_S, (rank, start["elapsed_s"])
+
+
 def test_start_fails_within_the_timeout_naming_a_rank_without_the_plugin(two_ranks):
     """Rank 1 never loads the plugin (``SGLANG_PLUGINS`` leaves it out): rank 0 fails naming it, not a hang."""
     rank0, rank1 = (out["start"]["not-allowed"] for out in two_ranks)
@@ -296,7 +326,7 @@ def test_agree_reduces_max_and_spread_in_one_collective(monkeypatch):
     """Two ranks, simulated: MAX of the counts and of their negation in one all-reduce; rows COUNT_ROWS."""
     import torch.distributed as dist
 
-    other = torch.tensor([[0, 2, 1], [0, 1, 0]], dtype=torch.int32)  # what the other rank counted
+    other = torch.tensor([[0, 2, 1], [0, 1, 0], [1, 0, 0]], dtype=torch.int32)  # what the other rank counted
     issued = []
 
     def all_reduce(tensor, op=None, group=None):
@@ -306,11 +336,11 @@ def test_agree_reduces_max_and_spread_in_one_collective(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    mine = torch.tensor([[0, 2, 0], [0, 1, 0]], dtype=torch.int32)
+    mine = torch.tensor([[0, 2, 0], [0, 1, 0], [0, 0, 0]], dtype=torch.int32)
     out = sglang_plugin.agree(mine, ("tp",))
     assert issued == ["tp"]
-    assert sglang_plugin.COUNT_ROWS == ("nan", "dead_rows", "nan_spread", "dead_spread")
-    assert out.tolist() == [[0, 2, 1], [0, 1, 0], [0, 0, 1], [0, 0, 0]]
+    assert sglang_plugin.COUNT_ROWS == ("nan", "dead_rows", "inf", "nan_spread", "dead_rows_spread", "inf_spread")
+    assert out.tolist() == [[0, 2, 1], [0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0], [1, 0, 0]]
 
 
 # ---------------------------------------------------------------- one rank: nothing is issued
