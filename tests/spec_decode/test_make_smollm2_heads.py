@@ -273,7 +273,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     # the tiny build's prompts name no evaluation subject: every chat prompt stands in for one here
     monkeypatch.setattr(msh, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
     work = root / "work"
-    fresh = root / "fresh"
+    fresh = root / "rebuilt-from-kept-tokens"
     shutil.copytree(work, fresh)
     assert run("eagle3", "--max-minutes", "1e-6") == 3   # stops after one step, with a checkpoint
     assert (work / "ckpt" / "eagle3.pt").is_file() and not (work / "eagle3").exists()
@@ -552,3 +552,37 @@ def test_the_split_passes_make_the_incremental_pipelines_data(msh, shipped_targe
             torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-2, rtol=1e-2)
             torch.testing.assert_close(a["topk_lp"].float(), b["topk_lp"].float(), atol=2e-2, rtol=1e-2)
             assert torch.equal(a["topk_ids"][:, 0], b["topk_ids"][:, 0])
+
+
+def test_kept_token_ids_rebuild_the_shards_without_generating(msh, build, monkeypatch, tmp_path):
+    """A fresh work directory with the kept token ids (committed, for SmolLM2) recomputes the features
+    alone: the same ids, the features to rounding, and no token generated."""
+    run, root = build
+    kept = root / "work" / "tokens"
+    assert sorted(p.name for p in kept.iterdir()) == ["heldout-00000.npz", "train-00000.npz", "train-00001.npz"]
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(root / "work" / "prompts.jsonl", fresh / "prompts.jsonl")
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated although the token ids were kept")
+
+    monkeypatch.setattr(msh, "generate_tokens", no_generation)
+    assert run("data", "--shards", "2", "--tokens-dir", str(kept), work=fresh) == 0
+    for shard in ("heldout-00000", "train-00000", "train-00001"):
+        a, b = msh.read_shard(root / "work" / "data" / shard), msh.read_shard(fresh / "data" / shard)
+        assert np.array_equal(a["ids"], b["ids"]) and np.array_equal(a["offsets"], b["offsets"])
+        np.testing.assert_allclose(np.asarray(a["aux"], np.float32), np.asarray(b["aux"], np.float32),
+                                   atol=2e-2, rtol=1e-2)
+        assert b["meta"]["tokens_were_kept"] is True
+
+
+def test_kept_token_ids_for_another_run_are_refused_naming_the_file(msh, build, safespec_tiny_target_path, tmp_path):
+    run, root = build
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(root / "work" / "prompts.jsonl", other / "prompts.jsonl")
+    with pytest.raises(RuntimeError, match=r"heldout-00000\.npz.*--new-tokens"):
+        msh.main(["data", "--shards", "1", "--target", str(safespec_tiny_target_path), "--work-dir", str(other),
+                  "--tokens-dir", str(root / "work" / "tokens"), "--shard-rows", str(ROWS),
+                  "--new-tokens", str(NEW_TOKENS + 1), "--threads", "1"])
