@@ -82,14 +82,14 @@ def test_host_syncs_is_deprecated_in_favour_of_a_measured_count(random_models):
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
 
 
-def test_phase_timer_sees_every_phase_of_a_step(random_models):
+def test_the_timer_hook_sees_every_phase_of_a_step(random_models):
     import contextlib
 
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES, StepHooks
 
     seen = []
     dec = _eagle(random_models)
-    dec.phase_timer = lambda name: (seen.append(name), contextlib.nullcontext())[1]
+    dec.hooks = StepHooks(timer=lambda name: (seen.append(name), contextlib.nullcontext())[1])
     dec.generate(PROMPTS, max_new_tokens=6)
     depths = dec.last_stats.depths
     assert len(depths) == len(dec.last_stats.step_s) and depths[0] > 0
