@@ -58,7 +58,7 @@ from spec_decode.models import (Transformer, batch_invariant_blocker, batch_inva
                                 set_batch_invariant)
 from spec_decode.outcome import StepOutcome, finish_step
 from spec_decode.padding import right_pad
-from spec_decode.requests import Requests
+from spec_decode.requests import RequestArgs, Requests
 from spec_decode.results import (FINISH_LENGTH, FINISH_NAN_ABORT, FINISH_STOP, NAN_KINDS, GenerationResult, NanEvent,
                                  StepStats)
 from spec_decode.seeds import request_seeds
@@ -263,9 +263,8 @@ class SpecDecoder:
         """
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-        req = Requests.build(prompt_token_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                             top_p=top_p, min_p=min_p, stop_token_ids=stop_token_ids, request_ids=request_ids,
-                             config=self.target.config, device=self.target.device,
+        args = RequestArgs(max_new_tokens, temperature, top_k, top_p, min_p, stop_token_ids, request_ids)
+        req = Requests.build(prompt_token_ids, args, config=self.target.config, device=self.target.device,
                              eos_token_ids=() if ignore_eos else self.eos_token_ids, lookup_ngram=self.lookup_ngram)
         hooks = replace(self.hooks, inject=FaultPlan(() if faults is None else faults, len(req.prompts)).apply)
         seeds = request_seeds(seed, len(req.prompts), coupled=self.draft_sampling == "coupled")

@@ -17,7 +17,7 @@ from spec_decode.faults import FaultPlan, NanFault
 from spec_decode.models import KVCache
 from spec_decode.outcome import HostRow, finish_step
 from spec_decode.padding import right_pad
-from spec_decode.requests import Requests
+from spec_decode.requests import RequestArgs, Requests
 from spec_decode.state import DecodeState, DraftQueue
 from spec_decode.step import PHASES, StepHooks, StepPlan, decode_step, lookup_tree
 
@@ -80,8 +80,7 @@ def start(prompts, first_tokens, *, drafter=True, max_new=8, stop=None, lookup_n
     """The state after a prefill that emitted ``first_tokens``, built by hand, and its plan's target."""
     B = len(prompts)
     config = SimpleNamespace(vocab_size=V, max_position_embeddings=64)
-    req = Requests.build(prompts, max_new_tokens=max_new, temperature=0.0, top_k=None, top_p=None, min_p=None,
-                         stop_token_ids=stop, request_ids=None, config=config, eos_token_ids=(),
+    req = Requests.build(prompts, RequestArgs(max_new, stop_token_ids=stop), config=config, eos_token_ids=(),
                          device=torch.device("cpu"), lookup_ngram=lookup_ngram)
     ids, lens = right_pad(prompts, torch.device("cpu"))
     lens_host = [len(p) for p in prompts]
