@@ -40,8 +40,9 @@ the tree shape and the depth cannot change it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, ContextManager, Sequence
 
 import torch
 
@@ -177,6 +178,19 @@ class SpecDecoder:
                    num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
                    compile=compile, tree_score_temperature=tree_score_temperature, lookup_ngram=lookup_ngram,
                    lookup_tokens=lookup_tokens, batch_invariant=batch_invariant)
+
+    @property
+    def phase_timer(self) -> Callable[[str], ContextManager]:
+        """Deprecated: ``hooks.timer`` (set ``hooks = dataclasses.replace(hooks, timer=...)``)."""
+        warnings.warn("SpecDecoder.phase_timer is deprecated: use hooks.timer (a step.StepHooks field)",
+                      DeprecationWarning, stacklevel=2)
+        return self.hooks.timer
+
+    @phase_timer.setter
+    def phase_timer(self, timer: Callable[[str], ContextManager]) -> None:
+        warnings.warn("SpecDecoder.phase_timer is deprecated: set hooks = dataclasses.replace(hooks, timer=...)",
+                      DeprecationWarning, stacklevel=2)
+        self.hooks = replace(self.hooks, timer=timer)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
