@@ -32,7 +32,6 @@ sampled drafts
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence, runtime_checkable
 
@@ -41,8 +40,8 @@ from torch import Tensor
 
 from numerics import sanitize_nan_logits
 from samplers import SamplingParams, coupled_scores, logits_to_probs, sample_without_replacement
-from samplers.params import float32_value, shown_value
 from samplers.tree import ancestor_mask  # noqa: F401  (part of this module's API)
+from spec_decode.tree_shape import TreeShape
 
 NO_PARENT = -1
 
@@ -206,20 +205,6 @@ def _greedy_children(logits: Tensor, k: int, score_temperature: float = 1.0) -> 
     return torch.topk(torch.log_softmax(logits, dim=-1), k, dim=-1)
 
 
-def check_score_temperature(value, name: str = "score_temperature") -> float:
-    """A float that is finite and > 0 in float32 (the logits it divides are float32 or narrower: 1e-46
-    would divide by 0, 10**400 is no float at all), or ValueError naming ``name``."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if ok:
-        try:
-            ok = 0 < float32_value(float(value)) < math.inf
-        except OverflowError:
-            ok = False
-    if not ok:
-        raise ValueError(f"{name} must be a finite number > 0 in float32, got {shown_value(value)}")
-    return float(value)
-
-
 def _draft_q(logits: Tensor, sampling: DraftSampling) -> Tensor:
     """q: the drafter's distribution at each row's temperature/top-k/top-p. [B, F, Vd] -> [B, F, Vd].
 
@@ -337,29 +322,6 @@ class TreeRoot:
     token: Tensor
     logits: Tensor
     hidden: Tensor | None
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """How large a draft tree grows and how its greedy candidates are ranked.
-
-    ``num_steps`` drafting depth, ``topk`` children per frontier node, ``num_draft_tokens`` nodes
-    (root included; ``topk=1`` with ``num_steps + 1`` nodes is a chain). ``score_temperature``:
-    see ``draft_tree``; checked at construction (ValueError naming it).
-    """
-
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
-    score_temperature: float = 1.0
-
-    def __post_init__(self):
-        object.__setattr__(self, "score_temperature", check_score_temperature(self.score_temperature))
-
-    @property
-    def chain(self) -> bool:
-        """A full chain: one child per node, ``num_steps + 1`` nodes."""
-        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
 
 
 def draft_tree(drafter: Drafter, cache, root: TreeRoot, shape: TreeShape, *, kv_len: int | None = None,

@@ -7,8 +7,6 @@ spell dtypes this way; each reads this module instead of keeping its own table.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from spec_decode.dtype_names import DTYPE_NAMES
@@ -65,29 +63,3 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
         if (dev.index or 0) >= count:
             raise ValueError(f"device {device!r} is not available: this machine has {count} CUDA device(s)")
     return dev
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's flags from Linux ``/proc/cpuinfo`` (``cpuinfo`` replaces the file's text); empty elsewhere."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[-1].split())
-    return flags
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """True when the CPU flags include ``avx512_bf16`` or ``amx_bf16`` (``cpu_flags``). Elsewhere bf16
-    matmuls run emulated, in fp32 units."""
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
-
-
-def cpu_has_amx(cpuinfo: str | None = None) -> bool:
-    """True when the CPU flags include ``amx_bf16``: oneDNN then runs bf16 matmuls on AMX tiles, whose
-    bits differ from its AVX-512 kernels'."""
-    return "amx_bf16" in cpu_flags(cpuinfo)

@@ -112,24 +112,35 @@ class FaultPlan:
         return [(active.index(f.request), f) for f in self._faults
                 if f.step == step and f.site == site and f.request in active]
 
-    def rows(self, step: int, site: str, active: list[int]) -> list[tuple[int, float]]:
-        """(batch row, value) pairs to corrupt now; requests that already finished are skipped."""
-        return [(row, f.value) for row, f in self._due(step, site, active)]
 
-    def apply(self, tensor: torch.Tensor, step: int, site: str, active: list[int]) -> None:
-        """Fill batch row(s) of ``tensor`` (batch-first) in place: whole, or ``columns`` of the last dim.
+    def apply(self, target, step: int, site: str, active: list[int], lengths_host: list[int] | None = None) -> None:
+        """Apply the faults due at (``step``, ``site``) to the batch rows of ``target`` in place.
 
         Shape:
-            tensor: [B, ..., W] (e.g. logits [B, V] or [B, N, V], features [B, T, H]); W is the
-            width that ``columns`` index. No host sync: only basic-slice fills.
+            at a tensor site, target: [B, ..., W] (e.g. logits [B, V] or [B, N, V], features [B, T, H]),
+            filled whole per due row or in ``columns`` of its last dimension W; at ``"kv_cache"``,
+            target: the target's ``KVCache`` (k, v [num_layers, B, n_kv, max_len, head_dim]), whose
+            newest committed key and value rows of each due request are filled in every layer, and
+            lengths_host [B]: the committed rows per slot (``cache.lengths`` on the host).
+        Row r is request ``active[r]``. No host sync: only basic-slice fills.
         """
+        if site == "kv_cache":
+            for row, f in self._due(step, site, active):
+                pos = lengths_host[row] - 1
+                target.k[:, row, :, pos] = f.value
+                target.v[:, row, :, pos] = f.value
+            return
         for row, f in self._due(step, site, active):
             if f.columns is None:
-                tensor[row].fill_(f.value)
+                target[row].fill_(f.value)
                 continue
-            width = tensor.shape[-1]
+            width = target.shape[-1]
             if f.columns[-1] >= width:
                 raise ValueError(f"NanFault.columns: index {f.columns[-1]} is out of range for {site} of "
                                  f"width {width} (the last dimension)")
             for start, stop in _runs(f.columns):
-                tensor[row, ..., start:stop].fill_(f.value)
+                target[row, ..., start:stop].fill_(f.value)
+
+
+NO_FAULTS = FaultPlan((), 0)
+"""A plan with no faults: a step's hooks outside ``generate`` (``step.StepHooks``)."""

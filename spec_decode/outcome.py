@@ -1,4 +1,8 @@
-"""A step's outcome on the host: the NaN policy applied, tokens appended, finished requests dropped."""
+"""A step's outcome on the host: the NaN policy applied, tokens appended, finished requests dropped.
+
+``HostRow`` is one request's share of the step's one host copy (``step.copy_to_host``);
+``finish_step`` turns the rows into tokens and finished requests and returns a ``StepOutcome``.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,27 @@ import torch
 from numerics import NanLogitsError, NanPolicy, raise_if_nan_logits
 from spec_decode.requests import Requests
 from spec_decode.results import FINISH_LENGTH, FINISH_NAN_ABORT, FINISH_STOP, GenerationResult, NanEvent
-from spec_decode.step import DecodeState, HostRow
+from spec_decode.state import DecodeState
 
 _log = logging.getLogger("safespec.spec_decode")
+
+HOST_COUNTS = ("num", "nan", "inf", "dead", "draft_nan", "draft_inf", "draft_dead")
+"""The columns after the tokens in a row of the step's host copy, in order (``HostRow``'s fields)."""
+
+
+@dataclass
+class HostRow:
+    """One request's share of the step's host copy: its tokens (``num`` of them are emitted), the
+    target logits' NaN/Inf/dead-row counts of this step and the drafter's (0 when not drafted)."""
+
+    tokens: list[int]
+    num: int
+    nan: int
+    inf: int
+    dead: int
+    draft_nan: int
+    draft_inf: int
+    draft_dead: int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The EAGLE draft/verify loop: draft -> verify -> accept -> commit, over a real batch.
+"""The EAGLE draft/verify loop over a real batch: ``SpecDecoder`` (configuration, the prefill, the loop).
 
 One step, for every active request at once:
 
@@ -16,15 +16,17 @@ One step, for every active request at once:
 5. **outcome** (``outcome.finish_step``): the NaN policy applied, tokens appended, finished requests
    dropped.
 
-``SpecDecoder._spec_step`` reads these in order; the state they read and write is one
-``step.DecodeState`` (the call's ``requests.Requests`` and the active rows' device state), and the
-phases themselves are functions of ``spec_decode.step``.
+``step.decode_step`` reads these in order, as one function over one ``state.DecodeState`` (the
+call's ``requests.Requests`` and the active rows' device state), one ``step.StepPlan`` (this
+decoder's settings) and one ``step.StepHooks`` (phase timer, NaN pass, the call's faults). The loop
+(``SpecDecoder._step``) chooses each step's lookup drafts or depth and runs it; plain steps
+(depth 0) and speculative ones share the same verify forward, host copy and commit.
 
 Host syncs: exactly one per step, the copy of the emitted tokens, their count and the per-request
 NaN/Inf/dead-row counts (packed into one tensor) that the loop needs to stop requests. The NaN
 policy adds no sync of its own. ``method="none"`` is the same loop with a one-token target forward
-and ``sample``; so is a speculative step at depth 0 (``num_steps="auto"`` when speculation does
-not pay).
+and ``sample`` (a plain step); so is a speculative step at depth 0 (``num_steps="auto"`` when
+speculation does not pay).
 
 Batch layout: request ``i`` of a ``generate`` call owns slot ``i`` of every cache until it finishes;
 finished requests are dropped from every tensor (``DecodeState.keep``), so requests finish independently
@@ -37,43 +39,38 @@ the tree shape and the depth cannot change it.
 """
 from __future__ import annotations
 
-import contextlib
 import time
+import warnings
+from dataclasses import replace
 from typing import Callable, ContextManager, Sequence
 
 import torch
 
-from numerics import NanPolicy, NonfiniteCounts
+from numerics import NanPolicy
 from spec_decode.checks import DRAFT_SAMPLING, METHODS, check_draft_sampling, check_drafter, check_method
 from spec_decode.compilation import compile_in_place
 from spec_decode.cpu.capability import warn_batch_invariance_off
 from spec_decode.depth import DepthController, sampling_regime
-from spec_decode.drafting import (DraftTree, Drafter, TreeRoot, TreeShape, check_score_temperature, draft_target_ids,
-                                   draft_tree)
+from spec_decode.drafting import DraftTree, Drafter, draft_target_ids
 from spec_decode.dtypes import resolve_device, resolve_dtype
+from spec_decode.faults import FaultPlan
 from spec_decode.lookup import check_lookup_args
 from spec_decode.models import (Transformer, batch_invariant_blocker, batch_invariant_in_force, ordinary_parameters,
                                 set_batch_invariant)
 from spec_decode.outcome import StepOutcome, finish_step
 from spec_decode.padding import right_pad
-from spec_decode.requests import Requests
+from spec_decode.requests import RequestArgs, Requests
 from spec_decode.results import (FINISH_LENGTH, FINISH_NAN_ABORT, FINISH_STOP, NAN_KINDS, GenerationResult, NanEvent,
                                  StepStats)
 from spec_decode.seeds import request_seeds
-from spec_decode.step import (DecodeState, HostRow, catch_up, commit, copy_to_host, count_nonfinite, coupled_noise,
-                              draft_sampling_rows, first_queue, inject, lookup_tree, sample_tokens, verify_tree)
-from spec_decode.tree_shape import (DEFAULT_TREE_SHAPES, auto_max_steps, check_tree_shape, default_tree_shape,
-                                    tree_capacity)
+from spec_decode.state import DecodeState, DraftQueue
+from spec_decode.step import (PHASES, StepHooks, StepPlan, copy_to_host, decode_step, lookup_tree, sample_tokens)
+from spec_decode.tree_shape import (DEFAULT_TREE_SHAPES, auto_max_steps, check_score_temperature, check_tree_shape,
+                                    default_tree_shape)
 
-PHASES = ("drafting", "verify_forward", "verify_walk", "bookkeeping")
-"""Phases of a step, timed through ``SpecDecoder.phase_timer`` (``spec-bench profile``)."""
 __all__ = ["DEFAULT_TREE_SHAPES", "DRAFT_SAMPLING", "FINISH_LENGTH", "FINISH_NAN_ABORT", "FINISH_STOP", "METHODS",
            "NAN_KINDS", "PHASES", "DepthController", "GenerationResult", "NanEvent", "SpecDecoder", "StepStats",
            "default_tree_shape"]
-
-
-def _no_timer(name: str) -> ContextManager:
-    return contextlib.nullcontext()
 
 
 def prepare_models(modules, *, batch_invariant: bool | None, compile: bool) -> bool:
@@ -118,9 +115,9 @@ class SpecDecoder:
     steps, ``compile=True``).
 
     Attributes: ``trim_last_steps`` (True by default: a step of greedy or coupled requests never
-    drafts deeper than the batch can still use), ``phase_timer`` (a callable ``name -> context
-    manager`` entered around each phase of a step, names in ``PHASES``; a no-op by default,
-    ``spec-bench profile`` sets it), ``last_stats`` (the last ``generate`` call's ``StepStats``) and
+    drafts deeper than the batch can still use), ``hooks`` (the ``step.StepHooks`` each step gets:
+    the phase timer, a no-op by default that ``spec-bench profile`` replaces, and the NaN pass;
+    ``generate`` adds the call's fault injection), ``last_stats`` (the last ``generate`` call's ``StepStats``) and
     ``batch_invariant`` (True when the batch-invariant routes are in force for the target and the
     drafter: a row's bits depend neither on the row count nor on the batch; see ``prepare_models``).
     """
@@ -149,7 +146,7 @@ class SpecDecoder:
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.lookup_ngram, self.lookup_tokens = check_lookup_args(lookup_ngram, lookup_tokens)
         self.last_stats = StepStats()
-        self.phase_timer: Callable[[str], ContextManager] = _no_timer
+        self.hooks = StepHooks()   # see the class docstring
         self.trim_last_steps = True   # see the class docstring
         self.depth_controller = DepthController(max_steps) if self.auto_depth else None
         self.batch_invariant = prepare_models((target, drafter), batch_invariant=batch_invariant, compile=compile)
@@ -181,6 +178,19 @@ class SpecDecoder:
                    num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
                    compile=compile, tree_score_temperature=tree_score_temperature, lookup_ngram=lookup_ngram,
                    lookup_tokens=lookup_tokens, batch_invariant=batch_invariant)
+
+    @property
+    def phase_timer(self) -> Callable[[str], ContextManager]:
+        """Deprecated: ``hooks.timer`` (set ``hooks = dataclasses.replace(hooks, timer=...)``)."""
+        warnings.warn("SpecDecoder.phase_timer is deprecated: use hooks.timer (a step.StepHooks field)",
+                      DeprecationWarning, stacklevel=2)
+        return self.hooks.timer
+
+    @phase_timer.setter
+    def phase_timer(self, timer: Callable[[str], ContextManager]) -> None:
+        warnings.warn("SpecDecoder.phase_timer is deprecated: set hooks = dataclasses.replace(hooks, timer=...)",
+                      DeprecationWarning, stacklevel=2)
+        self.hooks = replace(self.hooks, timer=timer)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -267,28 +277,30 @@ class SpecDecoder:
         """
         if not isinstance(ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-        args = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    stop_token_ids=stop_token_ids, request_ids=request_ids, faults=faults)
+        args = RequestArgs(max_new_tokens, temperature, top_k, top_p, min_p, stop_token_ids, request_ids)
         req = Requests.build(prompt_token_ids, args, config=self.target.config, device=self.target.device,
                              eos_token_ids=() if ignore_eos else self.eos_token_ids, lookup_ngram=self.lookup_ngram)
+        hooks = replace(self.hooks, inject=FaultPlan(() if faults is None else faults, len(req.prompts)).apply)
         seeds = request_seeds(seed, len(req.prompts), coupled=self.draft_sampling == "coupled")
+        plan = StepPlan(self.target, self.drafter, self.topk, self.num_draft_tokens, self.tree_score_temperature,
+                        self.draft_sampling, self.nan_policy, self._coupled_token_ids)
         self.last_stats = StepStats()
         t0 = time.perf_counter()
-        outcome = self._prefill(req, seeds)
+        outcome = self._prefill(req, seeds, hooks)
         self.last_stats.prefill_s = time.perf_counter() - t0
         step = 1
         while outcome.state is not None:
-            outcome = self._step(outcome.state, step)
+            outcome = self._step(outcome.state, plan, hooks, step)
             step += 1
         return req.results
 
-    # ------------------------------------------------------------------ steps
-    def _prefill(self, req: Requests, seeds: list[int] | None) -> StepOutcome:
+    # ------------------------------------------------------------------ the prefill and the loop's step
+    def _prefill(self, req: Requests, seeds: list[int] | None, hooks: StepHooks) -> StepOutcome:
         """Step 0: the prompts through the target, the first token sampled, the drafter's first queue."""
         device = self.target.device
         B = len(req.prompts)
-        ids, lens = right_pad(req.prompts, device)
         max_len = self._max_len(req)
+        ids, lens = right_pad(req.prompts, device)
         tcache = self.target.new_cache(B, max_len)
         aux = self.drafter.aux_layers if self.drafter else ()
         # logits of each prompt's last row only: the only row read, and the lm_head over every prompt
@@ -300,20 +312,30 @@ class SpecDecoder:
         coupled = self.draft_sampling == "coupled"
         generators = None if seeds is None or coupled else [torch.Generator(device=device).manual_seed(s) for s in seeds]
         seed_keys = torch.tensor(seeds, device=device) if coupled else None
-        req.faults.apply(logits, 0, "target_logits", list(range(B)))
-        counts = self._nan_pass(logits, 1)
+        rows = list(range(B))
+        hooks.inject(logits, 0, "target_logits", rows)
+        counts = hooks.nan_pass(self.nan_policy, logits, 1)
         token = sample_tokens(logits, req.sampling, seed_keys, generators, lens)   # the first new token sits at len(prompt)
-        host = self._copy_to_host(token[:, None], torch.ones_like(token), counts, None)
-        state = DecodeState(requests=req, active=list(range(B)), sampling=req.sampling, generators=generators,
-                            seeds=seed_keys, target_cache=tcache, target_len=[len(p) for p in req.prompts], root=token,
-                            draft_len=[0] * B, **first_queue(self.drafter, req, out, ids, lens, token, max_len))
+        host = copy_to_host(token[:, None], torch.ones_like(token), counts, None)
+        self.last_stats.host_copies += 1
+        prompt_lens = [len(p) for p in req.prompts]
+        draft_cache, queue = None, None
+        if self.drafter is not None:
+            draft_cache = self.drafter.new_cache(B, max_len)
+            feats = self.drafter.features(out)
+            if feats is not None:
+                hooks.inject(feats, 0, "target_hidden", rows)
+            queue = DraftQueue.after_prefill(ids, lens, prompt_lens, token, feats)
+        state = DecodeState(requests=req, active=rows, sampling=req.sampling, generators=generators, seeds=seed_keys,
+                            target_cache=tcache, target_lengths_host=prompt_lens, root=token, draft_cache=draft_cache,
+                            draft_lengths_host=[0] * B, queue=queue)
         return finish_step(state, host, 0, self.nan_policy)
 
-    def _step(self, state: DecodeState, step: int) -> StepOutcome:
-        """One decode step: lookup drafts or a drafted tree at the chosen depth, verified; the depth
-        controller hears of it. Returns the outcome: the surviving state (None when every request finished)."""
+    def _step(self, state: DecodeState, plan: StepPlan, hooks: StepHooks, step: int) -> StepOutcome:
+        """One turn of the loop: lookup drafts or a depth chosen, ``step.decode_step`` run, the depth
+        controller told. Returns the outcome: the surviving state (None when every request finished)."""
         t0 = time.perf_counter()
-        lookup = self._lookup_tree(state)
+        lookup = self.lookup_drafts(state)
         depth_free = state.depth_free   # the step may finish the batch: ask before it
         if lookup is None:
             regime = sampling_regime(state.sampling)
@@ -321,11 +343,12 @@ class SpecDecoder:
             depth = self._trimmed(chosen, state)
             # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
             # makes this step's time unrepresentative of its depth
-            steady = depth == 0 or max(state.catch_len, default=0) <= self.max_steps + 1
+            steady = depth == 0 or max(state.queue.lengths_host) <= self.max_steps + 1
         else:   # drafts copied from the requests' contexts: no drafter call, no depth to choose
             depth = lookup.max_depth
-        outcome = self._spec_step(state, step, depth, lookup)
+        outcome = decode_step(state, plan, hooks, step, depth, lookup)
         elapsed = time.perf_counter() - t0
+        self.last_stats.host_copies += 1   # the step's one (copy_to_host)
         self.last_stats.step_s.append(elapsed)
         self.last_stats.depths.append(depth)
         self.last_stats.lookup.append(lookup is not None)
@@ -335,100 +358,12 @@ class SpecDecoder:
             self.depth_controller.record(depth, elapsed if steady else None, outcome.emitted, regime)
         return outcome
 
-    def _spec_step(self, state: DecodeState, step: int, depth: int, lookup: DraftTree | None = None) -> StepOutcome:
-        """One speculative step, top to bottom: draft -> verify -> commit -> outcome.
-
-        ``lookup``: the step's lookup drafts (no drafter call); without them, depth 0 is a plain step.
-        """
-        if lookup is None and depth == 0:
-            return self._plain_step(state, step)
-        tree, draft_counts = lookup, None
-        if lookup is None:
-            with self.phase_timer("drafting"):
-                tree, draft_counts = self._draft(state, step, depth)
-        B, N = tree.tokens.shape
-        inject(state, step, "kv_cache")
-        with self.phase_timer("verify_forward"):
-            out = self._verify_forward(state, tree)
-        with self.phase_timer("verify_walk"):
-            inject(state, step, "target_logits", out.logits)
-            counts = self._nan_pass(out.logits.view(B * N, -1), N)
-            res = verify_tree(tree, out.logits, state, topk=self.topk, coupled=state.coupled,
-                              draft_sampling=self.draft_sampling)   # before the commit: coupled noise reads the lengths
-            host = self._copy_to_host(res.output_token_ids, res.num_emitted, counts, draft_counts)
-        with self.phase_timer("bookkeeping"):
-            num_host = [h.num for h in host]
-            tokens, feats, num = commit(state, tree, res, num_host, self.drafter.features(out) if self.drafter else None)
-            self._queue_for_drafter(state, step, tokens, feats, num, num_host)
-            return finish_step(state, host, step, self.nan_policy)
-
-    def _draft(self, state: DecodeState, step: int, depth: int) -> tuple[DraftTree, NonfiniteCounts | None]:
-        """The drafter's catch-up, its NaN counts, and a tree ``depth`` deep. Returns (tree, draft NaN counts)."""
-        first_logits, first_hidden = catch_up(self.drafter, state)
-        inject(state, step, "draft_logits", first_logits)
-        draft_counts = self._nan_pass(first_logits, 1, sanitize=False)
-        shape = TreeShape(depth, self.topk, min(self.num_draft_tokens, tree_capacity(depth, self.topk)),
-                          self.tree_score_temperature)
-        tree = draft_tree(self.drafter, state.draft_cache, TreeRoot(state.root, first_logits, first_hidden), shape,
-                          kv_len=max(state.draft_len), sampling=draft_sampling_rows(state, self.draft_sampling),
-                          noise=coupled_noise(state, self._coupled_token_ids))
-        return tree, draft_counts
-
-    def _verify_forward(self, state: DecodeState, tree: DraftTree):
-        """One target forward over the trees. Shape: tree.tokens [B, N], root first."""
-        tcache = state.target_cache
-        # a chain is a causal block at the default positions: the cheaper causal mask
-        tree_mask, position_ids = None, None
-        if not tree.chain:
-            tree_mask, position_ids = tree.tree_mask, tcache.lengths[:, None] + tree.depth
-        aux = self.drafter.aux_layers if self.drafter else ()
-        return self.target(tree.tokens, tcache, position_ids=position_ids, tree_mask=tree_mask,
-                           aux_layers=aux, kv_len=max(state.target_len) + tree.tokens.shape[1])
-
-    def _plain_step(self, state: DecodeState, step: int) -> StepOutcome:
-        """One target forward over the root and one sampled token (``method="none"``, or depth 0)."""
-        inject(state, step, "kv_cache")
-        with self.phase_timer("verify_forward"):
-            aux = self.drafter.aux_layers if self.drafter else ()
-            out = self.target(state.root[:, None], state.target_cache, aux_layers=aux,
-                              kv_len=max(state.target_len) + 1)
-        with self.phase_timer("verify_walk"):
-            logits = out.logits[:, 0]
-            inject(state, step, "target_logits", logits)
-            counts = self._nan_pass(logits, 1)
-            token = sample_tokens(logits, state.sampling, state.seeds, state.generators,
-                                  state.target_cache.lengths + 1)   # the root sits at lengths
-            ones = torch.ones_like(token)
-            host = self._copy_to_host(token[:, None], ones, counts, None)
-        with self.phase_timer("bookkeeping"):
-            state.target_cache.commit(ones)
-            state.target_len = [n + 1 for n in state.target_len]
-            feats = self.drafter.features(out) if self.drafter is not None else None
-            self._queue_for_drafter(state, step, token[:, None], feats, ones, [1] * len(state.active))
-            state.root = token
-            return finish_step(state, host, step, self.nan_policy)
-
-    def _queue_for_drafter(self, state: DecodeState, step: int, tokens, feats, num, num_host: list[int]) -> None:
-        """Queue the emitted tokens and their target features (faults applied) for the next catch-up."""
-        if feats is not None:
-            inject(state, step, "target_hidden", feats)
-        if self.drafter is not None:
-            state.append_catch(tokens, feats, num, num_host)
-
-    def _lookup_tree(self, state: DecodeState) -> DraftTree | None:
-        """``step.lookup_tree`` under this decoder's lookup settings."""
+    # ------------------------------------------------------------------ the step's choices
+    def lookup_drafts(self, state: DecodeState) -> DraftTree | None:
+        """The next step's lookup drafts (``step.lookup_tree`` under this decoder's lookup settings), or
+        None: the step drafts as configured. The loop asks before each step; a subclass may script it."""
         return lookup_tree(state, self.lookup_ngram, self.lookup_tokens, self.trim_last_steps)
 
-    def _nan_pass(self, logits2d: torch.Tensor, rows_per_request: int, sanitize: bool = True) -> NonfiniteCounts | None:
-        """``step.count_nonfinite`` under this decoder's NaN policy (the bench wraps it to check for syncs)."""
-        return count_nonfinite(self.nan_policy, logits2d, rows_per_request, sanitize)
-
-    def _copy_to_host(self, tokens, num, counts, draft_counts) -> list[HostRow]:
-        """``step.copy_to_host``, counted in ``last_stats``."""
-        self.last_stats.host_copies += 1
-        return copy_to_host(tokens, num, counts, draft_counts)
-
-    # ------------------------------------------------------------------ the step's choices
     def _max_len(self, req: Requests) -> int:
         extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk,
                     req.lookup_budget(self.lookup_tokens) + 1 if self.lookup_ngram else 0) + 2
@@ -441,7 +376,7 @@ class SpecDecoder:
         batches keep it (a request samples the same tokens in any batch)."""
         if not self.trim_last_steps or not state.depth_free:
             return depth
-        return min(depth, state.tokens_left() - 1)
+        return min(depth, state.requests.tokens_left(state.active) - 1)
 
     def _pick_depth(self, regime: str, state: DecodeState) -> int:
         """The configured depth; under ``num_steps="auto"`` the controller's choice where the depth cannot

@@ -1,17 +1,58 @@
-"""The draft tree's shape: each device's default (num_steps, topk, num_draft_tokens), what a tree can
-hold, and the check that a shape fits its tree and the target's positions."""
+"""The draft tree's shape: ``TreeShape`` (what ``drafting.draft_tree`` grows), each device's default
+(num_steps, topk, num_draft_tokens), what a tree can hold, and the checks that a shape fits its tree
+and the target's positions."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from samplers.params import shown_value
+from samplers.params import float32_value, shown_value
 
 DEFAULT_TREE_SHAPES = {"cpu": (5, 1, 6), "cuda": (5, 4, 8)}
 """The device's default (num_steps, topk, num_draft_tokens). CPU: the chain ``spec-bench tune``
 picks on the shipped models; tiny models on CPU pay per drafter call and per verified row, so a
 chain beats a wide tree. CUDA: EAGLE-2's 5/4/8 tree, whose extra rows the GPU verifies for about
 the cost of one. Other devices take the CUDA shape."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How large a draft tree grows and how its greedy candidates are ranked.
+
+    ``num_steps`` drafting depth, ``topk`` children per frontier node, ``num_draft_tokens`` nodes
+    (root included; ``topk=1`` with ``num_steps + 1`` nodes is a chain). ``score_temperature``:
+    see ``draft_tree``; checked at construction (ValueError naming it).
+    """
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    score_temperature: float = 1.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "score_temperature", check_score_temperature(self.score_temperature))
+
+    @property
+    def chain(self) -> bool:
+        """A full chain: one child per node, ``num_steps + 1`` nodes."""
+        return self.topk == 1 and self.num_draft_tokens == self.num_steps + 1
+
+
+def check_score_temperature(value, name: str = "score_temperature") -> float:
+    """A float that is finite and > 0 in float32 (the logits it divides are float32 or narrower: 1e-46
+    would divide by 0, 10**400 is no float at all), or ValueError naming ``name``."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = 0 < float32_value(float(value)) < math.inf
+        except OverflowError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a finite number > 0 in float32, got {shown_value(value)}")
+    return float(value)
 
 
 def default_tree_shape(device, num_steps=None, topk=None, num_draft_tokens=None) -> tuple:

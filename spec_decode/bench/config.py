@@ -74,8 +74,8 @@ of the AVX-512 projection kernel (``spec_decode/cpu/cpu_gemm.c``); a lookup step
 drafts accepts most of them, so a longer one pays where the block costs little more. ``lookup`` alone
 keeps the library's 8: 11 measured no faster there (docs/performance.md)."""
 
-# The CPU tree winner of `spec-bench tune` (2026-12-01: 4/2/8 scored at temperature 0.5, 1.31x `ar`,
-# against 1.22x for 4/2/8 at 1.0; the best chain, 4/1/5, made 1.39x)
+# The tree `spec-bench tune` picks on CPU: 4/2/8 with its candidates scored at temperature 0.5 (the run
+# and its figures: docs/results/, "trees scored at a temperature")
 _EAGLE_TREE = MethodSpec("eagle_tree", "ours", "eagle", "eagle", 4, 2, 8, score_temperature=0.5)
 METHOD_SPECS = {
     "ar": MethodSpec("ar", "ours", "none"),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -405,23 +405,24 @@ def time_nan_pass(rows: int, rows_per_request: int, vocab: int, dtype: torch.dty
 def assert_sync_free_nan_pass(decoder, prompts, max_new_tokens: int) -> int:
     """Run one ``generate`` with the decoder's NaN pass under ``set_sync_debug_mode("error")``.
 
-    The wrapper is an instance attribute, so only this decoder's numerics stage is checked; any host
-    sync inside it raises. Returns the number of checked passes' syncs (always 0 when it returns).
+    The checked pass replaces ``decoder.hooks.nan_pass`` for this one call, so only this decoder's
+    numerics stage is checked; any host sync inside it raises. Returns the number of checked passes'
+    syncs (always 0 when it returns).
     """
-    original = decoder._nan_pass
+    hooks = decoder.hooks
 
     def checked(*args, **kwargs):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return original(*args, **kwargs)
+            return hooks.nan_pass(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    decoder._nan_pass = checked
+    decoder.hooks = replace(hooks, nan_pass=checked)
     try:
         decoder.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True)
     finally:
-        del decoder._nan_pass
+        decoder.hooks = hooks
     sync(decoder.target.device)
     return 0
 

@@ -8,8 +8,8 @@ a drafter call <= 0.08 ``ar`` steps, a chain-4 step without its drafting <= 1.3.
 
 It is keyed on public hooks only, so that a refactor cannot silently drop a stage:
 
-* ``SpecDecoder.phase_timer``: the decoder enters ``phase_timer(name)`` around each phase of a step,
-  with names from ``spec_decode.pipeline.PHASES``; here it is a ``PhaseClock``;
+* ``SpecDecoder.hooks.timer``: every step enters ``timer(name)`` around each of its phases, with
+  names from ``spec_decode.step.PHASES``; here it is a ``PhaseClock``;
 * the drafter's ``draft_forward`` (the ``drafting.Drafter`` protocol's forward, the one way the decoder
   runs it) is wrapped to count and time its calls (``CallClock``), from outside, so that a compiled
   drafter stays one graph;
@@ -31,7 +31,7 @@ import pstats
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,12 +41,11 @@ from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, METHOD_SPECS, Benc
                                       check_room, default_dtype_name, load_prompts)
 from spec_decode.bench.machine import sync, torch_threads
 
-AR_STEP = "ar_step"
 UNACCOUNTED = "unaccounted"
 
 
 class PhaseClock:
-    """A ``phase_timer``: ``with clock(name): ...`` adds the block's wall seconds to ``seconds[name]``.
+    """A step's phase timer (``StepHooks.timer``): ``with clock(name): ...`` adds the block's wall seconds to ``seconds[name]``.
 
     Time is exclusive: a phase entered inside another pauses the outer one, so phases never count
     twice. ``clock`` is the time source (``time.perf_counter``; tests pass a fake). On CUDA each
@@ -192,7 +191,7 @@ def profile_split(decoder, ar_decoder, drafter, work: Workload, *, phases: tuple
                   device: torch.device | None = None, clock=time.perf_counter) -> dict:
     """Time ``decoder``'s step phases against ``ar_decoder``'s step on ``work``; return the split.
 
-    ``decoder`` must have the ``phase_timer`` hook (a ``SpecDecoder``); its previous value is restored,
+    ``decoder`` must have step hooks (``hooks``, a ``step.StepHooks``: a ``SpecDecoder``); they are restored,
     and so are ``trim_last_steps`` and ``lookup_ngram``, off while it runs (every step then drafts the
     configured depth with the drafter).
     ``drafter``: the decoder's drafter, whose ``draft_forward`` and ``compute_logits`` calls are counted
@@ -211,9 +210,11 @@ def profile_split(decoder, ar_decoder, drafter, work: Workload, *, phases: tuple
     sampling or top-k, tree bookkeeping, the draft NaN pass); None without a drafter (or, for the split,
     without such calls).
     """
-    if not hasattr(decoder, "phase_timer"):
-        raise TypeError(f"{type(decoder).__name__} has no phase_timer hook; spec-bench profile needs a SpecDecoder "
-                        "that times its phases (spec_decode.pipeline.PHASES)")
+    from spec_decode.step import StepHooks
+
+    if not isinstance(getattr(decoder, "hooks", None), StepHooks):
+        raise TypeError(f"{type(decoder).__name__} has no step hooks (hooks, a StepHooks); spec-bench profile needs "
+                        "a SpecDecoder, whose steps time their phases (spec_decode.step.PHASES)")
     prompts = work.prompts
     if not prompts:
         raise ValueError("prompts must not be empty")
@@ -221,13 +222,13 @@ def profile_split(decoder, ar_decoder, drafter, work: Workload, *, phases: tuple
     phase_clock = PhaseClock(device, clock)
     call_clock = CallClock(device, clock, step_id=lambda: phase_clock.entries.get("drafting", 0))
     logits_clock = CallClock(device, clock, method="compute_logits", outer=call_clock)
-    previous = decoder.phase_timer
+    previous = decoder.hooks
     ar_steps, steps, accepted = [], [], []
     saved = _switch_off(decoder)
     try:
         for dec in (ar_decoder, decoder):   # warm-up
             dec.generate(prompts[:1], **sampling)
-        decoder.phase_timer = phase_clock
+        decoder.hooks = replace(previous, timer=phase_clock)
         if drafter is not None:
             call_clock.attach(drafter)
             if hasattr(drafter, "compute_logits"):
@@ -240,7 +241,7 @@ def profile_split(decoder, ar_decoder, drafter, work: Workload, *, phases: tuple
             steps += decoder.last_stats.step_s
             accepted += [n for r in results for n in r.accepted_lengths]
     finally:
-        decoder.phase_timer = previous
+        decoder.hooks = previous
         for name, value in saved.items():
             setattr(decoder, name, value)
         call_clock.detach()
@@ -402,9 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spec_decode import pipeline
     from spec_decode.bench.methods import ModelCache
     from spec_decode.bench.harness import check_inputs
+    from spec_decode.step import PHASES
 
     p = build_parser()
     args = p.parse_args(argv)
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     with torch_threads(cfg.threads):
         work = Workload(prompts, args.max_new_tokens, args.temperature, cfg.seed)
-        split = profile_split(runner.decoder, ar.decoder, runner.modules[1], work, phases=pipeline.PHASES,
+        split = profile_split(runner.decoder, ar.decoder, runner.modules[1], work, phases=PHASES,
                               device=device)
         title = (f"{args.method} ({spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}"
                  f"{', its lookup steps off' if spec.lookup_ngram else ''}), {dtype}"

@@ -32,7 +32,7 @@ from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPT
                                       BenchInputError, MethodSpec, check_out_dir, default_dtype_name, fit_seed,
                                       load_prompts)
 from spec_decode.bench.machine import torch_threads
-from spec_decode.drafting import check_score_temperature
+from spec_decode.tree_shape import check_score_temperature
 
 # (num_steps, topk, num_draft_tokens): six chains; chains plus one or two side branches (on CPU each
 # verified token costs, so that is where a tree can beat a chain); then trees from narrow to wide.

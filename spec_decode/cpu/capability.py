@@ -1,18 +1,45 @@
-"""What this CPU runs well: the checks that pick ``Linear``'s CPU routes (each cached for the process)."""
+"""What this CPU runs well: its flags (``cpu_flags``, from ``/proc/cpuinfo``) and the checks that pick
+``Linear``'s CPU routes (each cached for the process)."""
 
 from __future__ import annotations
 
 import functools
 import warnings
+from pathlib import Path
 
 import torch
 
 from spec_decode.cpu import cpu_gemm
-from spec_decode.dtypes import cpu_flags
 
 FP32_PACK_MIN_OUT = 1024            # AVX-512 fp32: outputs from which oneDNN beats F.linear on two rows or more
 FP32_PACK_ONE_ROW_MIN_OUT = 3072    # ... and on one row
 FP32_PACK_MIN_OUT_AVX2 = 2048       # AVX2 fp32: from two rows on (on one row F.linear is never slower)
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's flags from Linux ``/proc/cpuinfo`` (``cpuinfo`` replaces the file's text); empty elsewhere."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    return flags
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU flags include ``avx512_bf16`` or ``amx_bf16`` (``cpu_flags``). Elsewhere bf16
+    matmuls run emulated, in fp32 units."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """True when the CPU flags include ``amx_bf16``: oneDNN then runs bf16 matmuls on AMX tiles, whose
+    bits differ from its AVX-512 kernels'."""
+    return "amx_bf16" in cpu_flags(cpuinfo)
 
 
 def fp32_packs(out_features: int, rows: int, avx512: bool | None = None) -> bool:
@@ -68,7 +95,7 @@ CPU_KINDS = ("amx", "avx512_bf16", "avx512", "avx2", "no-avx2")
 
 
 def cpu_kind(flags: set[str] | None = None) -> str:
-    """This CPU's kind, one of ``CPU_KINDS``, from its flags (``flags`` replaces ``dtypes.cpu_flags()``)."""
+    """This CPU's kind, one of ``CPU_KINDS``, from its flags (``flags`` replaces ``cpu_flags()``)."""
     flags = cpu_flags() if flags is None else flags
     if "amx_bf16" in flags:
         return "amx"

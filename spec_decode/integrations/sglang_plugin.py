@@ -74,7 +74,6 @@ from spec_decode.integrations.sglang_types import (  # noqa: F401 (re-exported: 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SGLANG_VERSION = "0.5.23"
-PLUGIN_NAME = "safespec"
 
 SAMPLER_TARGET = "sglang.srt.layers.sampler.Sampler._preprocess_logits"
 SAMPLE_CONTEXT_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.sample"

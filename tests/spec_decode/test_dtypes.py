@@ -48,15 +48,3 @@ def test_bench_and_plugin_share_the_lookup(monkeypatch, tmp_path):
     assert pytest_plugin.find_fixtures_dir is find_fixtures_dir
     monkeypatch.setenv(FIXTURES_ENV, str(tmp_path))
     assert default_fixtures_dir() == tmp_path
-
-
-@pytest.mark.parametrize("flags,native,amx", [
-    ("fpu avx2 fma", False, False),
-    ("fpu avx2 avx512f avx512_bf16", True, False),                 # AVX-512 bf16 (Zen 4)
-    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", True, True),     # AMX (Sapphire Rapids)
-])
-def test_cpu_flags_name_native_bf16_and_amx(flags, native, amx):
-    from spec_decode.dtypes import cpu_has_amx, cpu_has_native_bf16
-
-    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: amx_bf16_fake\n"   # only the flags line counts
-    assert cpu_has_native_bf16(cpuinfo) is native and cpu_has_amx(cpuinfo) is amx

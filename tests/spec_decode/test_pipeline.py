@@ -64,12 +64,12 @@ def test_greedy_self_draft_accepts_deep_paths_and_stays_lossless(random_models, 
 def test_greedy_trees_verify_without_the_sampling_walk(random_models, ar_greedy, monkeypatch):
     """All-greedy tree steps go through ``greedy_tree_verify`` with the drafter's mask (lossless, and no
     ``tree_verify`` call); a batch with a sampled request still walks with ``tree_verify``."""
-    import spec_decode.step as pipeline   # verify_tree looks the verifiers up in spec_decode.step
+    import spec_decode.step as step   # verify looks the verifiers up in spec_decode.step
 
     seen = []
     for name in ("greedy_tree_verify", "tree_verify"):
-        orig = getattr(pipeline, name)
-        monkeypatch.setattr(pipeline, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
+        orig = getattr(step, name)
+        monkeypatch.setattr(step, name, lambda *a, _o=orig, _n=name, **k: seen.append(_n) or _o(*a, **k))
     dec = _decoder(random_models, "draft_model", drafter=random_models["target"], **TREE)
     assert _tokens(dec.generate(PROMPTS, max_new_tokens=24)) == ar_greedy
     assert seen and set(seen) == {"greedy_tree_verify"}

@@ -1,6 +1,7 @@
 """Hostile input to ``SpecDecoder``: each probe gives a ValueError naming the argument, or the documented result."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder
+from spec_decode.step import StepHooks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
@@ -82,14 +84,26 @@ def test_host_syncs_is_deprecated_in_favour_of_a_measured_count(random_models):
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
 
 
-def test_phase_timer_sees_every_phase_of_a_step(random_models):
-    import contextlib
+def test_phase_timer_is_deprecated_in_favour_of_the_hooks(random_models):
+    from spec_decode.step import no_timer
 
-    from spec_decode.pipeline import PHASES
+    dec = _eagle(random_models)
+    timer = lambda name: contextlib.nullcontext()   # noqa: E731
+    with pytest.warns(DeprecationWarning, match="hooks"):
+        dec.phase_timer = timer
+    assert dec.hooks.timer is timer
+    with pytest.warns(DeprecationWarning, match="hooks.timer"):
+        assert dec.phase_timer is timer
+    dec.hooks = StepHooks()
+    assert dec.hooks.timer is no_timer
+
+
+def test_the_timer_hook_sees_every_phase_of_a_step(random_models):
+    from spec_decode.step import PHASES
 
     seen = []
     dec = _eagle(random_models)
-    dec.phase_timer = lambda name: (seen.append(name), contextlib.nullcontext())[1]
+    dec.hooks = StepHooks(timer=lambda name: (seen.append(name), contextlib.nullcontext())[1])
     dec.generate(PROMPTS, max_new_tokens=6)
     depths = dec.last_stats.depths
     assert len(depths) == len(dec.last_stats.step_s) and depths[0] > 0

@@ -13,17 +13,17 @@ PROMPTS = [torch.randperm(97, generator=torch.Generator().manual_seed(s)).tolist
 MAX_NEW = 20
 
 
-class ScriptedLookup:
-    """Lets ``dec._lookup_tree`` draft on the scripted steps only (a cycle of bools): any mix of lookup and
-    drafted steps, to reach every catch-up pattern (a drafted step after lookup steps catches up on all)."""
+class ScriptedLookup(SpecDecoder):
+    """Takes lookup drafts on the scripted steps only (a cycle of bools): any mix of lookup and drafted
+    steps, to reach every catch-up pattern (a drafted step after lookup steps catches up on all)."""
 
-    def __init__(self, dec, pattern):
-        self.lookup_tree, self.pattern = dec._lookup_tree, pattern
+    def __init__(self, *args, pattern, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pattern = pattern
         self.made: list[bool] = []   # per step: whether it got lookup drafts
-        dec._lookup_tree = self
 
-    def __call__(self, state):
-        tree = self.lookup_tree(state) if self.pattern[len(self.made) % len(self.pattern)] else None
+    def lookup_drafts(self, state):
+        tree = super().lookup_drafts(state) if self.pattern[len(self.made) % len(self.pattern)] else None
         self.made.append(tree is not None)
         return tree
 
@@ -34,9 +34,9 @@ def ar(random_models):
     return [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=MAX_NEW)]
 
 
-def decoder(random_models, method, **kw):
+def decoder(random_models, method, cls=SpecDecoder, **kw):
     tree = {} if method == "none" else dict(num_steps=3, topk=1, num_draft_tokens=4)
-    return SpecDecoder(random_models["target"], random_models[method], method=method, **{**tree, **kw})
+    return cls(random_models["target"], random_models[method], method=method, **{**tree, **kw})
 
 
 PATTERNS = {"always": [True], "alternate": [True, False], "backlog": [True, True, True, False], "never": [False]}
@@ -46,8 +46,8 @@ PATTERNS = {"always": [True], "alternate": [True, False], "backlog": [True, True
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(random_models, ar, method, batch, pattern):
-    dec = decoder(random_models, method, lookup_ngram=1, lookup_tokens=5)
-    script = ScriptedLookup(dec, PATTERNS[pattern])
+    dec = script = decoder(random_models, method, ScriptedLookup, lookup_ngram=1, lookup_tokens=5,
+                           pattern=PATTERNS[pattern])
     out = []
     for i in range(0, len(PROMPTS), batch):
         before = len(script.made)
@@ -63,8 +63,7 @@ def test_greedy_lookup_is_lossless_whatever_the_mix_of_steps(random_models, ar, 
 
 
 def test_a_lookup_step_needs_no_drafter_call(random_models):
-    dec = decoder(random_models, "eagle", lookup_ngram=1, lookup_tokens=5)
-    ScriptedLookup(dec, [True, False])
+    dec = decoder(random_models, "eagle", ScriptedLookup, lookup_ngram=1, lookup_tokens=5, pattern=[True, False])
     calls = []
     forward = dec.drafter.draft_forward
     dec.drafter.draft_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
@@ -110,9 +109,8 @@ def test_batches_with_sampled_requests_never_take_lookup_steps(random_models, te
 
 
 def test_the_depth_controller_is_neither_asked_nor_told_of_lookup_steps(random_models):
-    dec = SpecDecoder(random_models["target"], random_models["eagle"], method="eagle", num_steps="auto", topk=1,
-                      num_draft_tokens=5, lookup_ngram=1)
-    ScriptedLookup(dec, [True, False, False])
+    dec = ScriptedLookup(random_models["target"], random_models["eagle"], method="eagle", num_steps="auto", topk=1,
+                         num_draft_tokens=5, lookup_ngram=1, pattern=[True, False, False])
     recorded = []   # the lookup flag of each recorded step (record runs after the step's stats)
     record, choose = dec.depth_controller.record, dec.depth_controller.choose
     dec.depth_controller.record = lambda *a: recorded.append(dec.last_stats.lookup[-1]) or record(*a)

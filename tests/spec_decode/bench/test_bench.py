@@ -406,10 +406,10 @@ class _FakeDecoder:
     TAKES_LOGITS = False   # drafting also calls drafter.compute_logits after each drafter call
 
     def __init__(self, clock: _FakeClock, drafter=None, step_cost: float | None = None):
-        from contextlib import nullcontext
+        from spec_decode.step import StepHooks
 
         self.clock, self.drafter, self.step_cost = clock, drafter, step_cost
-        self.phase_timer = lambda name: nullcontext()
+        self.hooks = StepHooks()
         self.last_stats = types.SimpleNamespace(step_s=[])
 
     def generate(self, prompts, *, max_new_tokens, temperature, seed, ignore_eos):
@@ -420,7 +420,7 @@ class _FakeDecoder:
                 self.clock.t += self.step_cost
             else:
                 for name, cost in self.COSTS.items():
-                    with self.phase_timer(name):
+                    with self.hooks.timer(name):
                         self.clock.t += cost
                         if name == "drafting":
                             for i in range(2):
@@ -434,12 +434,12 @@ class _FakeDecoder:
 
 def test_profile_split_is_exact_on_a_fake_decoder():
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafter(clock, 0.25)
     dec, ar = _FakeDecoder(clock, drafter), _FakeDecoder(clock, step_cost=2.0)
-    own_timer = dec.phase_timer
+    own_hooks = dec.hooks
     split = profile_split(dec, ar, drafter, Workload([[1, 2], [3]], 4), phases=PHASES, clock=clock)
     # per step: drafting 1 + 2 calls x 0.25; one ar step = 2.0
     assert split["ar_step_ms"] == pytest.approx(2000.0)
@@ -450,7 +450,7 @@ def test_profile_split_is_exact_on_a_fake_decoder():
     assert split["drafter_calls_per_step"] == pytest.approx(2.0)
     assert split["drafter_call_ar_steps"] == pytest.approx(0.125)
     assert split["steps"] == 4 and split["mean_accepted_length"] == pytest.approx(2.0)
-    assert dec.phase_timer is own_timer   # the hook is restored
+    assert dec.hooks is own_hooks   # the hooks are restored
     assert "draft_forward" not in vars(drafter)   # and the drafter's own method back
     # a drafter the decoder never calls is an error, not a split without drafter calls
     with pytest.raises(RuntimeError, match="never called drafter.draft_forward"):
@@ -460,7 +460,7 @@ def test_profile_split_is_exact_on_a_fake_decoder():
 def test_profile_splits_each_steps_catch_up_from_its_later_calls():
     """A step's first drafter call (the catch-up after the verify forward) is timed apart from the rest."""
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafter(clock, 0.0, costs=(0.5, 0.25))   # two calls per step: catch-up 0.5, then 0.25
@@ -475,7 +475,7 @@ def test_profile_splits_each_steps_catch_up_from_its_later_calls():
 
 def test_profile_splits_each_requests_prompt_catch_up_from_the_other_catch_ups():
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     clock = _FakeClock()
     # per generate call: step 1's catch-up (the prompt) 1.0, a later call, step 2's catch-up 0.5, a later call
@@ -518,7 +518,7 @@ def test_profile_splits_the_drafters_logits_from_its_calls_and_the_rest(nested):
     """Drafting = drafter calls + their logits + the rest (sampling, bookkeeping); logits that a forward
     computes inside its own call stay forward time, never counted twice."""
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     clock = _FakeClock()
     drafter = _FakeDrafterWithLogits(clock, 0.25, logits_cost=0.125, nested=nested)
@@ -556,7 +556,7 @@ def test_profile_needs_the_public_hook():
     class NoHook:
         pass
 
-    with pytest.raises(TypeError, match="phase_timer"):
+    with pytest.raises(TypeError, match="step hooks"):
         profile_split(NoHook(), NoHook(), None, Workload([[1]], 2), phases=("drafting",))
 
 
@@ -602,7 +602,7 @@ def _recording_decoders(fake_fixtures, **kw):
 def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
     """Every profiled step has the configured depth (no last step trimmed to the tokens left)."""
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     dec, ar, stats = _recording_decoders(fake_fixtures)
     split = profile_split(dec, ar, dec.drafter, Workload([[1, 2, 3]], 5), phases=PHASES)
@@ -615,7 +615,7 @@ def test_profile_splits_untrimmed_steps_and_restores_the_decoder(fake_fixtures):
 def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
     """A decoder with lookup_ngram is profiled without lookup steps (none of them calls the drafter)."""
     from spec_decode.bench.profile_step import Workload, profile_split
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     dec, ar, stats = _recording_decoders(fake_fixtures, lookup_ngram=1)
     prompt = list(range(dec.target.config.vocab_size))   # every token occurred: lookup drafts at every step
@@ -629,7 +629,7 @@ def test_profile_splits_drafted_steps_only_and_restores_lookup(fake_fixtures):
 
 
 def test_profile_subcommand_reports_the_split(fake_fixtures, tmp_path, capsys):
-    from spec_decode.pipeline import PHASES
+    from spec_decode.step import PHASES
 
     rc = main(["profile"] + _model_args(fake_fixtures) + ["--method", "eagle_chain", "--num-prompts", "1",
                                                           "--max-new-tokens", "4", "--threads", "1",

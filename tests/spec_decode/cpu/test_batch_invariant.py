@@ -25,7 +25,7 @@ import torch
 
 from spec_decode import SpecDecoder
 from spec_decode.cpu import Linear, cpu_gemm, onednn_bf16_native
-from spec_decode.dtypes import cpu_has_amx
+from spec_decode.cpu.capability import cpu_has_amx
 from spec_decode.models import Attention, KVCache, Transformer, set_batch_invariant
 from spec_decode.models.layers import MLP
 

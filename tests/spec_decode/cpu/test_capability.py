@@ -1,4 +1,4 @@
-"""Tests for spec_decode.cpu.capability: the CPU kinds, the routes summary, and the clean fallback where a
+"""Tests for spec_decode.cpu.capability: the CPU flags, the CPU kinds, the routes summary, and the clean fallback where a
 CPU has no AVX2 (forced with ``ATEN_CPU_CAPABILITY=default``, which makes torch, and so the kernel check,
 see a CPU without AVX2 whatever this machine has)."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from spec_decode.cpu import CPU_KINDS, cpu_kind, routes_summary
+from spec_decode.cpu.capability import cpu_has_amx, cpu_has_native_bf16
 
 
 @pytest.mark.parametrize("flags,kind", [
@@ -66,3 +67,13 @@ def test_a_cpu_without_avx2_falls_back_with_one_warning(safespec_tiny_target_pat
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no panel kernel" in proc.stdout
+
+
+@pytest.mark.parametrize("flags,native,amx", [
+    ("fpu avx2 fma", False, False),
+    ("fpu avx2 avx512f avx512_bf16", True, False),                 # AVX-512 bf16 (Zen 4)
+    ("fpu avx512f avx512_bf16 amx_bf16 amx_tile", True, True),     # AMX (Sapphire Rapids)
+])
+def test_cpu_flags_name_native_bf16_and_amx(flags, native, amx):
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\nbugs\t\t: amx_bf16_fake\n"   # only the flags line counts
+    assert cpu_has_native_bf16(cpuinfo) is native and cpu_has_amx(cpuinfo) is amx

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_decode.dtypes import cpu_has_amx
+from spec_decode.cpu.capability import cpu_has_amx
 from spec_decode.models import Transformer
 
 from tiny_models import make_tiny_target

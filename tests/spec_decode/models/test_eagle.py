@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from spec_decode.models.eagle import DraftOutput, Eagle3Head, EagleHead, default_eagle3_aux_layers, load_drafter
 from spec_decode.models import Transformer, apply_rope, rope_cos_sin
-from spec_decode.dtypes import cpu_has_amx
+from spec_decode.cpu.capability import cpu_has_amx
 
 from tiny_models import _head_config, _randomize_, make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
@@ -560,7 +560,7 @@ SHIPPED_EAGLE3_CHECKSUMS = {   # (CPU kind, batch-invariant routes, dtype): the 
 def _cpu_kernel_kind() -> str:
     """The CPU kind for recorded bits: "avx512_bf16+amx" (native bf16 with AMX), "avx512_bf16" (native bf16
     without), else torch's capability ("AVX2", ...)."""
-    from spec_decode.dtypes import cpu_has_native_bf16
+    from spec_decode.cpu.capability import cpu_has_native_bf16
 
     if not cpu_has_native_bf16():
         return torch.backends.cpu.get_cpu_capability()
