@@ -175,7 +175,7 @@ def test_bench_page_lists_the_coupled_methods():
 
 def test_nan_event_sentence_excepts_off():
     """``docs/spec_decode.md`` said every policy records ``NanEvent``; ``off`` counts nothing and records none
-    (``tests/spec_decode/test_probes_round3.py`` checks the code)."""
+    (``tests/spec_decode/test_pipeline_policies.py`` checks the code)."""
     text = " ".join((ROOT / "docs" / "spec_decode.md").read_text(encoding="utf-8").split())
     assert "Every policy records" not in text
     assert "Every policy but `off` records `NanEvent" in text and "`off` counts nothing, so it records none" in text

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from samplers import (
     PLACEHOLDER_TOKEN_ID,
+    SamplingParams,
+    TreeVerifyResult,
     chain_speculative_sampling,
     greedy_accept,
     greedy_tree_verify,
@@ -410,3 +414,68 @@ def test_chain_deterministic_draft_accepts_certain_token():
     out, accepted, emitted = chain_speculative_sampling(None, torch.tensor([[4, 2], [4, 3]]), tp)
     assert out.tolist() == [[4, 2, 7], [4, 2, -1]]
     assert emitted.tolist() == [2, 1] and accepted.tolist() == [2, 1]
+
+
+# ----------------------------------------------------------------------------- one meaning of "emitted"
+
+RESULT_V = 9   # these result tests' vocabulary, odd beside V
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_emitted_means_accepted_plus_one_everywhere():
+    logits = torch.randn(2, 3, RESULT_V, generator=_gen(4))
+    best = logits.argmax(-1)
+    draft = torch.stack([best[0, :2], torch.tensor([(best[1, 0] + 1) % RESULT_V, 0])])
+    g = greedy_verify(draft, logits)
+    assert g.num_accepted.tolist() == [2, 0] and g.num_emitted.tolist() == [3, 1]
+    c = chain_speculative_sampling(None, draft, logits.softmax(-1), generator=_gen())
+    assert torch.equal(c.num_emitted, c.num_accepted + 1)
+    t = tree_verify(torch.tensor([[0, 3, 4]]), torch.tensor([[-1, 0, 1]]), torch.randn(1, 3, RESULT_V))
+    assert torch.equal(t.num_accepted, t.num_emitted - 1)
+
+
+def test_old_names_still_work_with_a_deprecation_warning():
+    draft = torch.zeros(2, 2, dtype=torch.long)
+    g = greedy_verify(draft, torch.randn(2, 3, RESULT_V))
+    out, num = g  # positional unpacking is unchanged
+    with pytest.warns(DeprecationWarning, match="num_accepted"):
+        assert g.emitted_num is g.num_accepted
+    c = chain_speculative_sampling(None, draft, torch.rand(2, 3, RESULT_V), generator=_gen())
+    out, passed, accepted = c
+    with pytest.warns(DeprecationWarning, match="num_passed"):
+        assert c.accepted_num is passed
+    with pytest.warns(DeprecationWarning, match="num_accepted"):
+        assert c.emitted_num is accepted
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c.num_passed is passed  # the new names do not warn
+    with pytest.raises(AttributeError):
+        c.nonsense  # noqa: B018
+
+
+def test_tree_verify_result_positional_construction_still_works():
+    z = torch.zeros(1, dtype=torch.int32)
+    res = TreeVerifyResult(z, z, z + 1, z.bool())
+    assert res.dead_rows is None and res.num_accepted.tolist() == [0]
+
+
+# ----------------------------------------------------------------------------- SamplingParams
+
+
+def test_sampling_params_build_select_kwargs():
+    params = SamplingParams.build(3, temperature=[0.0, 0.7, None], top_k=[None, 5, 0], top_p=0.9)
+    assert params.temperature.tolist() == pytest.approx([0.0, 0.7, 1.0])
+    assert params.top_k.tolist() == [0, 5, 0] and params.min_p is None
+    assert not params.all_greedy
+    sub = params.select([2, 0])
+    assert sub.temperature.tolist() == [1.0, 0.0] and sub.top_k.tolist() == [0, 0]
+    greedy = SamplingParams.build(2, temperature=0.0, top_p=None)
+    assert greedy.all_greedy and greedy.top_p is None and greedy.kwargs()["temperature"] == 0.0
+    logits = torch.randn(3, RESULT_V, generator=_gen(7))
+    assert torch.equal(sample(logits, generator=_gen(), **params.kwargs()),
+                       sample(logits, generator=_gen(), temperature=[0.0, 0.7, None], top_k=[None, 5, 0], top_p=0.9))
+    tensors = SamplingParams.build(2, temperature=torch.tensor([0.0, 0.0]))
+    assert not tensors.all_greedy  # unknown on the host without a sync: conservative

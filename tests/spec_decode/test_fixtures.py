@@ -18,6 +18,8 @@ import statistics
 import pytest
 import torch
 
+from spec_decode import SpecDecoder
+from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
 from spec_decode.models.eagle import Eagle3Head, EagleHead, load_drafter
 from spec_decode.models import Transformer
 
@@ -149,3 +151,17 @@ def test_greedy_acceptance_floor(request, safespec_tiny_target_path, safespec_ti
     mean = statistics.fmean(n for r in results for n in r.accepted_lengths)
     assert mean >= sub[name] - FLOOR_MARGIN
     assert mean > 1.0  # speculation accepts drafts at all
+
+
+# ------------------------------------------------------------------ every method loads and decodes
+FX = find_fixtures_dir()
+needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
+PROMPT = [5, 9, 14, 3, 22, 7]
+
+
+@needs_fixtures
+@pytest.mark.parametrize("method, subdir", [("eagle", EAGLE_SUBDIR), ("eagle3", EAGLE3_SUBDIR),
+                                            ("draft_model", DRAFT_SUBDIR)])
+def test_the_shipped_fixtures_still_load(method, subdir):
+    dec = SpecDecoder.from_pretrained(FX / TARGET_SUBDIR, FX / subdir, method=method, dtype="fp32", device="cpu")
+    assert dec.generate([PROMPT], max_new_tokens=3, ignore_eos=True)[0].token_ids

@@ -8,7 +8,9 @@ import warnings
 import pytest
 import torch
 
-from spec_decode import SpecDecoder
+from spec_decode import SpecDecoder, Transformer
+from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
+from spec_decode.models.eagle import load_drafter
 from spec_decode.step import StepHooks
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
@@ -110,3 +112,89 @@ def test_the_timer_hook_sees_every_phase_of_a_step(random_models):
     # a plain step (a greedy batch's last, with one token left) has no drafting phase
     expected = [name for d in depths for name in PHASES if d > 0 or name != "drafting"]
     assert seen == expected
+
+
+# ---------------------------------------------------------------- on the shipped models (issue #51)
+FX = find_fixtures_dir()
+needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
+PROMPT = [5, 9, 14, 3, 22, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer.from_pretrained(FX / TARGET_SUBDIR, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eagle(target):
+    return load_drafter(FX / EAGLE_SUBDIR, target, method="eagle")
+
+
+# ---------------------------------------------------------------- a temperature that is 0 in float32
+@needs_fixtures
+@pytest.mark.parametrize("temperature", [1e-46, [1e-46], torch.tensor([1e-46], dtype=torch.float64)],
+                         ids=["scalar", "list", "tensor"])
+def test_generate_takes_a_vanishing_temperature_as_greedy(target, eagle, temperature):
+    """``generate(..., temperature=1e-46)`` returned id 0 (the shipped EOS) with "stop"."""
+    dec = SpecDecoder(target, eagle)
+    greedy = dec.generate([PROMPT], max_new_tokens=8, temperature=0.0)[0]
+    tiny = dec.generate([PROMPT], max_new_tokens=8, temperature=temperature, seed=3)[0]
+    assert (tiny.token_ids, tiny.finish_reason) == (greedy.token_ids, greedy.finish_reason)
+    assert tiny.token_ids[0] != 0
+
+
+# ---------------------------------------------------------------- memory that follows the request
+@needs_fixtures
+def test_auto_depth_checks_the_tree_capacity(target, eagle):
+    """``num_steps="auto", num_draft_tokens=300000`` was accepted: the CPU chain holds at most 9 nodes."""
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be an int in \[2, 9\] for num_steps='auto'"):
+        SpecDecoder(target, eagle, num_steps="auto", num_draft_tokens=300000)
+    assert SpecDecoder(target, eagle, num_steps="auto", num_draft_tokens=9).max_steps == 8
+
+
+@needs_fixtures
+@pytest.mark.parametrize("shape, name", [(dict(num_steps=100000, topk=1), "num_steps"),
+                                         (dict(num_steps=2, topk=2000, num_draft_tokens=2000), "num_draft_tokens")])
+def test_a_tree_past_the_targets_positions_is_refused_before_any_cache(target, eagle, monkeypatch, shape, name):
+    """``num_steps=100000`` sized a 1.2 GB cache and drafted past max_position_embeddings (1024)."""
+    monkeypatch.setattr(Transformer, "new_cache", lambda *a, **k: pytest.fail("a cache was allocated"))
+    with pytest.raises(ValueError, match=f"{name}.*max_position_embeddings \\(1024\\)"):
+        SpecDecoder(target, eagle, **shape)
+
+
+# ---------------------------------------------------------------- numbers too large for their type
+@needs_fixtures
+@pytest.mark.parametrize("kw, name", [(dict(tree_score_temperature=10**400), "tree_score_temperature"),
+                                      (dict(tree_score_temperature=1e-46), "tree_score_temperature"),
+                                      (dict(num_steps=10**5000), "num_steps"),
+                                      (dict(num_steps=2, topk=10**5000), "topk")],
+                         ids=["tst_10**400", "tst_1e-46", "num_steps_10**5000", "topk_10**5000"])
+def test_a_decoder_argument_too_large_for_its_type_is_named(target, eagle, kw, name):
+    """10**400 raised OverflowError; a 5001-digit int failed formatting its own message."""
+    with pytest.raises(ValueError, match=name):
+        SpecDecoder(target, eagle, **kw)
+
+
+@needs_fixtures
+@pytest.mark.parametrize("kw, name", [(dict(top_k=2**63), "top_k"), (dict(temperature=10**400), "temperature"),
+                                      (dict(top_k=[1, 2**64]), r"top_k\[1\]")], ids=["top_k", "temperature", "list"])
+def test_generate_names_a_sampling_argument_too_large_for_its_type(target, eagle, kw, name):
+    with pytest.raises(ValueError, match=name):
+        SpecDecoder(target, eagle).generate([PROMPT, PROMPT], max_new_tokens=2, **kw)
+
+
+# ---------------------------------------------------------------- devices
+@needs_fixtures
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu"])
+def test_an_unsupported_device_is_a_value_error_naming_device(device):
+    """``device="meta"`` loaded, then ``generate`` raised; mps a RuntimeError, xpu an AssertionError."""
+    with pytest.raises(ValueError, match=f"device must be cpu or cuda.*{device}"):
+        SpecDecoder.from_pretrained(FX / TARGET_SUBDIR, FX / EAGLE_SUBDIR, device=device)
+
+
+@needs_fixtures
+def test_a_decoder_over_a_meta_model_names_device(target):
+    with torch.device("meta"):
+        on_meta = Transformer(target.config)
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        SpecDecoder(on_meta, None, method="none")

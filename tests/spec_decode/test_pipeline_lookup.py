@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spec_decode import NanFault, SpecDecoder
+from spec_decode import NanFault, SpecDecoder, Transformer
+from spec_decode.fixtures import TARGET_SUBDIR, find_fixtures_dir
 from spec_decode.lookup import ContextLookup
 
 # Each prompt holds every token of the tiny vocabulary (97), so with lookup_ngram=1 every context has
@@ -164,3 +165,28 @@ def test_on_the_shipped_target_a_looping_output_is_drafted_by_lookup(safespec_ti
     assert tokens["lookup"] == tokens["plain"]   # greedy fp32: both are ar's
     assert steps["lookup"] < steps["plain"]
     assert len(emitted) > 10 and sum(emitted) / len(emitted) > 3
+
+
+# ---------------------------------------------------------------- a bounded lookup step on the shipped target
+FX = find_fixtures_dir()
+needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer.from_pretrained(FX / TARGET_SUBDIR, dtype=torch.float32)
+
+
+@needs_fixtures
+def test_a_lookup_step_verifies_a_bounded_number_of_drafts(target):
+    """``lookup_tokens=10**18`` made each lookup step verify every remaining token."""
+    from spec_decode.lookup import MAX_LOOKUP_DRAFTS
+
+    plain = SpecDecoder(target, None, method="none")
+    lookup = SpecDecoder(target, None, method="none", lookup_ngram=1, lookup_tokens=10**18)
+    prompt = [5, 9, 14] * 4
+    want = plain.generate([prompt], max_new_tokens=160, ignore_eos=True)[0].token_ids
+    got = lookup.generate([prompt], max_new_tokens=160, ignore_eos=True)[0].token_ids
+    assert got == want
+    depths = [d for d, was in zip(lookup.last_stats.depths, lookup.last_stats.lookup) if was]
+    assert depths and max(depths) <= MAX_LOOKUP_DRAFTS

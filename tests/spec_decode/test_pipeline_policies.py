@@ -11,7 +11,9 @@ import torch
 
 from numerics import NanPolicy
 from spec_decode import NanFault, SpecDecoder
+from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
 from spec_decode.models import Transformer
+from spec_decode.models.eagle import load_drafter
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
@@ -121,3 +123,30 @@ def test_sampled_drafts_are_recorded_and_greedy_rows_are_untouched(models_by_dty
         assert dec.draft_sampling == mode
         out = dec.generate(PROMPTS, max_new_tokens=20, temperature=[0.0, 1.0, 0.0, 1.0], seed=SEEDS)
         assert out[0].token_ids == ar[0].token_ids and out[2].token_ids == ar[2].token_ids
+
+
+# ---------------------------------------------------------------- what docs/spec_decode.md says of NanEvent
+FX = find_fixtures_dir()
+needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
+PROMPT = [5, 9, 14, 3, 22, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Transformer.from_pretrained(FX / TARGET_SUBDIR, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def eagle(target):
+    return load_drafter(FX / EAGLE_SUBDIR, target, method="eagle")
+
+
+@needs_fixtures
+@pytest.mark.parametrize("policy, recorded", [("off", False), ("sanitize", True), ("guard", True)])
+def test_every_policy_but_off_records_nan_events(target, eagle, policy, recorded):
+    from spec_decode import NanFault
+
+    dec = SpecDecoder(target, eagle, nan_policy=policy)
+    fault = NanFault(request=0, step=1, site="target_logits", columns=[3])
+    out = dec.generate([PROMPT], max_new_tokens=4, ignore_eos=True, faults=[fault])[0]
+    assert bool(out.nan_events) is recorded

@@ -8,12 +8,15 @@ back with torch's advice to retry with ``weights_only=False`` (that would run th
 from __future__ import annotations
 
 import json
+import shutil
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
+from spec_decode.fixtures import TARGET_SUBDIR, find_fixtures_dir
+from spec_decode.models import ModelConfig, Transformer
 from spec_decode.models.checkpoint import (CONFIG_NAME, PT_INDEX_NAME, PT_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
                                     CheckpointError, load_state_dict, read_config, read_key_names, save_state_dict)
 
@@ -137,3 +140,66 @@ def test_model_loaders_pass_the_named_error_on(ckpt, tmp_path):
     _truncate(path / SAFETENSORS_NAME, 0.5)
     with pytest.raises(ValueError, match="model.safetensors"):
         Transformer.from_pretrained(path, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- loader errors name the file and the key
+FX = find_fixtures_dir()
+
+
+@pytest.fixture
+def shipped_ckpt(tmp_path):
+    """A copy of the shipped target, with ``edit(config dict)`` rewriting its config.json."""
+    if FX is None:
+        pytest.skip("no shipped fixtures")
+    path = shutil.copytree(FX / TARGET_SUBDIR, tmp_path / "target")
+
+    def edit(change, name="config.json"):
+        file = path / name
+        data = json.loads(file.read_text()) if file.exists() else {}
+        file.write_text(change(data) if callable(change) and change.__name__ == "raw" else json.dumps({**data, **change}))
+        return path
+    return edit
+
+
+def test_an_integer_past_pythons_digit_limit_names_the_file(shipped_ckpt):
+    """A 5001-digit integer in config.json raised "Exceeds the limit (4300 digits)" naming no file."""
+    def raw(data):
+        return json.dumps(data)[:-1] + ', "x": ' + "9" * 5001 + "}"
+    path = shipped_ckpt(raw)
+    with pytest.raises(ValueError, match=f"{path / 'config.json'}.*not valid JSON"):
+        Transformer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_a_rope_dict_that_is_not_a_dict_names_the_key(shipped_ckpt, key):
+    """``rope_parameters: "x"`` named the file but not the key."""
+    path = shipped_ckpt({key: "x"})
+    with pytest.raises(ValueError, match=f"config.json: {key} must be a dict or null"):
+        Transformer.from_pretrained(path)
+
+
+def test_an_eos_id_outside_the_vocabulary_names_the_file(shipped_ckpt):
+    """``eos_token_id: 99999`` in generation_config.json (vocabulary 4096) was accepted."""
+    path = shipped_ckpt({"eos_token_id": 99999}, "generation_config.json")
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id 99999 is outside the vocabulary"):
+        Transformer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("change, named", [({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
+                                           ({"architectures": ["Qwen3ForCausalLM"]}, "Qwen3ForCausalLM"),
+                                           ({"model_type": "qwen3"}, "qwen3")])
+def test_an_architecture_neither_llama_nor_qwen2_is_refused_naming_it(shipped_ckpt, change, named):
+    """These loaded as a Llama."""
+    path = shipped_ckpt(change)
+    with pytest.raises(ValueError, match=f"config.json: .*'{named}'.*not supported"):
+        Transformer.from_pretrained(path)
+
+
+def test_supported_architectures_and_drafter_heads_still_load():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2}
+    for arch, model_type in (("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2")):
+        ModelConfig.from_hf_dict({**base, "architectures": [arch], "model_type": model_type})
+    ModelConfig.from_hf_dict({**base, "architectures": ["LlamaForCausalLMEagle3"]}, drafter=True)
+    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["LlamaForCausalLMEagle3"]})
