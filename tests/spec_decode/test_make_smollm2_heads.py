@@ -586,3 +586,49 @@ def test_kept_token_ids_for_another_run_are_refused_naming_the_file(msh, build, 
         msh.main(["data", "--shards", "1", "--target", str(safespec_tiny_target_path), "--work-dir", str(other),
                   "--tokens-dir", str(root / "work" / "tokens"), "--shard-rows", str(ROWS),
                   "--new-tokens", str(NEW_TOKENS + 1), "--threads", "1"])
+
+
+# ------------------------------------------------------------------------------------------ the model's own user turns
+def test_a_user_turn_is_kept_only_when_new_whole_and_clear_of_the_evaluation_sets(msh):
+    seen, banned = {msh._normalize("Can you suggest a name for my bakery startup?")}, {msh._normalize("Tell me a joke.")}
+    names = {"has_close_elements", "below_zero", "add"}
+    keep = lambda text: msh.keep_user_turn(text, seen, banned, names)   # noqa: E731
+    assert keep("Can you provide some resources on cybersecurity for small firms?")
+    assert keep("How do I add a second shelf to a wardrobe?")          # a plain word that names a function
+    assert not keep("Hi there")                                         # a fragment
+    assert not keep("Tell me a joke.")                                  # an evaluation prompt
+    assert not keep("Explain how the water cycle works for a school project.")   # an evaluation subject
+    assert not keep("Write has_close_elements for a list of floats in Python.")
+    assert not keep("What does below_zero(operations) return for an empty list?")
+    assert not keep(" ".join(["word"] * (msh.USER_TURN_WORDS[1] + 1)))
+
+
+class _TurnTokenizer:
+    """A stand-in tokenizer: ids are the text's characters, the turn ends at ``eos_token_id``."""
+    unk_token_id = 0
+
+    def __init__(self, end: int):
+        self.eos_token_id = end
+
+    def apply_chat_template(self, messages, tokenize=False):
+        return "<s>user: " + messages[0]["content"] + "</s>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+    def convert_tokens_to_ids(self, token):
+        return self.unk_token_id
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{int(i)}" for i in ids)
+
+
+def test_sampled_user_turns_follow_the_prefix_and_stop_at_the_end_of_turn(msh, shipped_target):
+    prefix = [3 + ord(c) % 90 for c in "<s>user: "]
+    sampled = msh.generate_tokens(shipped_target, [prefix] * 16, [1.0] * 16, 40, torch.Generator().manual_seed(0))
+    end = int(sampled[:, 1:].flatten().mode().values)   # a token the tiny model samples often ends the turn
+    tok = _TurnTokenizer(end)
+    assert msh.user_turn_prefix(tok) == prefix
+    turns = msh.sample_user_turns(shipped_target, tok, 16, 40, torch.Generator().manual_seed(0))
+    ended = [row[: int((row == end).nonzero()[0])] for row in sampled if (row == end).any()]
+    assert turns == [tok.decode(row) for row in ended] and len(turns) > 0   # those that ended, cut before it
