@@ -30,7 +30,7 @@ def _row_owner(cu_num_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.where(owner < 0, num_reqs, owner)
 
 
-_CPU_ROW_SUM_FILTER = True
+CPU_ROW_SUM_FILTER = True
 """CPU only: count entry by entry only the rows whose sum is not finite (tests turn it off to
 check the every-row path that devices take)."""
 
@@ -75,7 +75,7 @@ def _nonfinite_counts_reference(
     num_rows = logits.shape[0]
     num_reqs = cu_num_rows.shape[0] - 1
     counts = torch.zeros(3, num_reqs + 1, dtype=torch.int32, device=logits.device)
-    if logits.device.type == "cpu" and _CPU_ROW_SUM_FILTER:
+    if logits.device.type == "cpu" and CPU_ROW_SUM_FILTER:
         flagged = _rows_with_nonfinite_sum(logits)  # [n_flagged]
         if flagged.numel():
             owner = _row_owner(cu_num_rows, num_rows)  # [num_rows]

@@ -107,7 +107,8 @@ BLOCK_V = 1024
 BLOCKS_PER_PROGRAM = 4
 
 
-def _interpreter_active() -> bool:
+def interpreter_active() -> bool:
+    """Whether the kernel runs under the Triton interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return type(_nonfinite_counts_kernel).__name__ == "InterpretedFunction"
 
 
@@ -125,7 +126,7 @@ def nonfinite_counts_triton(logits: torch.Tensor, cu_num_rows: torch.Tensor, *, 
         raise RuntimeError(
             'backend="triton" needs the optional triton package: pip install "safespec[triton]"'
         )
-    if logits.device.type == "cpu" and not _interpreter_active():
+    if logits.device.type == "cpu" and not interpreter_active():
         raise RuntimeError(
             'backend="triton" on CPU tensors needs the Triton interpreter: set '
             "TRITON_INTERPRET=1 before triton is first imported "

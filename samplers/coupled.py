@@ -90,7 +90,7 @@ def _stream(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return _mix(keys + (counters + 1) * GAMMA)
 
 
-def _position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The key of the token stream of each (seed, position). Shape: broadcast of the two."""
     return _stream(_stream(seeds, torch.zeros_like(seeds)), positions)
 
@@ -110,12 +110,12 @@ def coupled_hash(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, 
     seeds, positions = _check_keys(seeds, positions)
     vocab, token_ids = _check_token_ids(token_ids, vocab_size, positions.device)
     seeds = seeds.view(seeds.shape + (1,) * (positions.dim() - 1))  # [B, 1...]: broadcast over N
-    return _words(seeds, positions, _tokens(vocab, token_ids, positions.device))
+    return token_words(seeds, positions, _tokens(vocab, token_ids, positions.device))
 
 
-def _words(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def token_words(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """h(seed, position, token). Shape: seeds broadcastable to positions [...], tokens [V] -> int64 [..., V]."""
-    return _stream(_position_keys(seeds, positions).unsqueeze(-1), tokens)
+    return _stream(position_keys(seeds, positions).unsqueeze(-1), tokens)
 
 
 def _uniform(words: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ def _uniform(words: torch.Tensor) -> torch.Tensor:
     return (words >> _UNIFORM_SHIFT).double().mul_(_UNIFORM_SCALE).add_(_UNIFORM_OFFSET)
 
 
-def _gumbel(u: torch.Tensor) -> torch.Tensor:
+def gumbel(u: torch.Tensor) -> torch.Tensor:
     """float64 uniforms in (0, 1) -> standard Gumbel -log(-log u), float64, in place."""
     return u.log_().neg_().log_().neg_()
 
@@ -175,22 +175,22 @@ def _coupled_noise_reference(seeds: torch.Tensor, positions: torch.Tensor, vocab
     tokens = _tokens(vocab_size, token_ids, seeds.device)
     noise = torch.empty((seeds.shape[0], vocab_size), dtype=torch.float32, device=seeds.device)
     for rows in _row_blocks(seeds.shape[0], vocab_size, seeds.device):
-        noise[rows] = _gumbel(_uniform(_words(seeds[rows], positions[rows], tokens)))  # rounds once to float32
+        noise[rows] = gumbel(_uniform(token_words(seeds[rows], positions[rows], tokens)))  # rounds once to float32
         if base is not None:
             noise[rows].add_(base[rows])
     return noise
 
 
-_CPU_BLOCK_WORDS = 1 << 16
+CPU_BLOCK_WORDS = 1 << 16
 """Words per block of rows on CPU: a block's int64 words and float64 uniforms stay in a core's L2 cache
 through the hash's twenty-odd elementwise passes, which otherwise each stream all R x V words through
 memory."""
 
 
 def _row_blocks(rows: int, vocab_size: int, device: torch.device) -> list[slice]:
-    """The blocks of rows the torch noise is made in: on CPU ``_CPU_BLOCK_WORDS`` words at most (one
+    """The blocks of rows the torch noise is made in: on CPU ``CPU_BLOCK_WORDS`` words at most (one
     row at least), elsewhere all rows at once (a GPU wants few, large kernels)."""
-    per_block = max(1, _CPU_BLOCK_WORDS // vocab_size) if device.type == "cpu" else max(rows, 1)
+    per_block = max(1, CPU_BLOCK_WORDS // vocab_size) if device.type == "cpu" else max(rows, 1)
     return [slice(start, start + per_block) for start in range(0, rows, per_block)]
 
 

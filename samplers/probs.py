@@ -46,7 +46,7 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # A huge temperature maps -1e30 to about -1: re-mask, so masked tokens stay at 0.
     z = z.masked_fill(masked, float("-inf"))
     if params.top_k is not None or params.top_p is not None:
-        z = _top_k_top_p(z, params.top_k, params.top_p)
+        z = top_k_top_p(z, params.top_k, params.top_p)
     if params.min_p is not None:
         # p_i >= min_p * p_max  <=>  z_i >= log(min_p), because max z is 0.
         z = z.masked_fill(z < params.min_p.log().unsqueeze(-1), float("-inf"))
@@ -57,7 +57,7 @@ def process_logits(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.where(greedy.unsqueeze(-1), one_hot, probs)
 
 
-def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask logits outside top-k, then outside top-p, with one descending sort.
 
     Shape: z [R, V] (max 0 per row), top_k/top_p [R] or None -> [R, V].

@@ -475,7 +475,7 @@ def _descend(walk, probs, q_all, depth_bound, children_bound, nonfinite, dead) -
             is_child = torch.zeros_like(is_child)  # the depth bound cuts the path here
         p = probs[rows, cur]  # [B, V]
         if q_all is None:
-            child, has, token = _follow_sample(p, is_child, walk)
+            child, has, token = follow_sample(p, is_child, walk)
         else:
             # below the depth bound there is no child to test: only the final draw is left
             bound = 0 if step == depth_bound else children_bound
@@ -494,7 +494,7 @@ def _first_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mask.to(torch.uint8).argmax(-1), mask.any(-1)
 
 
-def _follow_sample(p, is_child, walk):
+def follow_sample(p, is_child, walk):
     """Deterministic drafts: draw x ~ p; follow the first child with token x."""
     x = race_sample(p, walk.generator)  # [B]; one-hot p (greedy rows) gives the argmax
     child, has = _first_true(is_child & (walk.tokens == x.unsqueeze(1)))

@@ -71,7 +71,8 @@ if triton is not None:
 BLOCK_V = 1024
 
 
-def _interpreter_active() -> bool:
+def interpreter_active() -> bool:
+    """Whether the kernel runs under the Triton interpreter (TRITON_INTERPRET=1 when triton was imported)."""
     return type(_coupled_noise_kernel).__name__ == "InterpretedFunction"
 
 
@@ -88,7 +89,7 @@ def coupled_noise_triton(seeds: torch.Tensor, positions: torch.Tensor, vocab_siz
     """
     if triton is None:
         raise RuntimeError('backend="triton" needs the optional triton package: pip install "safespec[triton]"')
-    if seeds.device.type == "cpu" and not _interpreter_active():
+    if seeds.device.type == "cpu" and not interpreter_active():
         raise RuntimeError(
             'backend="triton" on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before '
             f"triton is first imported (now TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}), "

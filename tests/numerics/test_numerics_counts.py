@@ -74,7 +74,7 @@ def _run_both_all(base, vocab, layout, cu, sanitize):
     base_k, base_r, base_e = base.clone(), base.clone(), base.clone()
     counts_k = nonfinite_counts_per_request(_view(base_k, vocab, layout), cu, sanitize=sanitize, backend="triton")
     counts_r = nonfinite_counts_per_request(_view(base_r, vocab, layout), cu, sanitize=sanitize, backend="torch")
-    with mock.patch.object(counts_module, "_CPU_ROW_SUM_FILTER", False):
+    with mock.patch.object(counts_module, "CPU_ROW_SUM_FILTER", False):
         counts_e = nonfinite_counts_per_request(_view(base_e, vocab, layout), cu, sanitize=sanitize, backend="torch")
     assert isinstance(counts_k, NonfiniteCounts) and isinstance(counts_r, NonfiniteCounts)
     for field, k, r, e in zip(NonfiniteCounts._fields, counts_k, counts_r, counts_e):
@@ -193,7 +193,7 @@ def test_cpu_row_sum_filter_counts_what_the_every_row_path_counts(dtype):
     for x in cases:
         x = x.to(dtype)
         fast = nonfinite_counts_per_request(x.clone(), cu, backend="torch")
-        with mock.patch.object(counts_module, "_CPU_ROW_SUM_FILTER", False):
+        with mock.patch.object(counts_module, "CPU_ROW_SUM_FILTER", False):
             every_row = nonfinite_counts_per_request(x.clone(), cu, backend="torch")
         want = _oracle_all(x, cu)
         assert [c.tolist() for c in fast] == [c.tolist() for c in every_row] == list(want), x
@@ -224,7 +224,7 @@ def test_auto_backend_dispatch():
 
 
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(triton_counts, "_interpreter_active", lambda: False)
+    monkeypatch.setattr(triton_counts, "interpreter_active", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         nan_counts_per_request(torch.zeros(2, 3), torch.tensor([0, 2]), backend="triton")
 

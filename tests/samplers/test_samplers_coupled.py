@@ -43,7 +43,7 @@ PARAMS = {
     "top_k_top_p_min_p": dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.08),
 }
 
-_original_position_keys = coupled_mod._position_keys
+_original_position_keys = coupled_mod.position_keys
 
 
 def _rows(logits, n=NUM_SAMPLES) -> torch.Tensor:
@@ -72,7 +72,7 @@ def _mutant_keyed_by_row(seeds, positions):
 def _mutant_shared_counter(seeds, positions, tokens):
     """Mutant: one counter for position and token (G(s, t, x) = G(s, 0, t + x)), so position t + 1
     sees position t's noise shifted by one token."""
-    keys = coupled_mod._position_keys(seeds, torch.zeros_like(positions)).unsqueeze(-1)
+    keys = coupled_mod.position_keys(seeds, torch.zeros_like(positions)).unsqueeze(-1)
     return coupled_mod._stream(keys, positions.unsqueeze(-1) + tokens)
 
 
@@ -104,7 +104,7 @@ def test_over_seeds_with_per_row_parameter_tensors():
 
 @pytest.mark.parametrize("name", ["plain", "top_p"])
 def test_over_seeds_mutant_exponential_noise_is_rejected(monkeypatch, name):
-    monkeypatch.setattr(coupled_mod, "_gumbel", _mutant_exponential_noise)
+    monkeypatch.setattr(coupled_mod, "gumbel", _mutant_exponential_noise)
     result = _over_seeds_stat(PARAMS[name])
     assert not result.passes, f"mutant not detected: {result}"
 
@@ -126,7 +126,7 @@ def test_one_seed_over_positions_matches_processed_distribution(name):
 
 @pytest.mark.parametrize(
     "attr, mutant",
-    [("_position_keys", _mutant_without_position), ("_gumbel", _mutant_exponential_noise)],
+    [("position_keys", _mutant_without_position), ("gumbel", _mutant_exponential_noise)],
     ids=["without_position", "exponential_noise"],
 )
 def test_one_seed_over_positions_mutants_are_rejected(monkeypatch, attr, mutant):
@@ -156,7 +156,7 @@ def test_adjacent_positions_are_independent(name):
 
 @pytest.mark.parametrize(
     "attr, mutant",
-    [("_position_keys", _mutant_without_position), ("_words", _mutant_shared_counter)],
+    [("position_keys", _mutant_without_position), ("token_words", _mutant_shared_counter)],
     ids=["without_position", "shared_counter"],
 )
 def test_adjacent_positions_mutants_are_rejected(monkeypatch, attr, mutant):
@@ -185,7 +185,7 @@ def test_same_seed_in_another_row_draws_the_same_token():
 
 
 def test_same_seed_mutant_keyed_by_row_is_rejected(monkeypatch):
-    monkeypatch.setattr(coupled_mod, "_position_keys", _mutant_keyed_by_row)
+    monkeypatch.setattr(coupled_mod, "position_keys", _mutant_keyed_by_row)
     result = _reordered_stat()
     assert not result.passes, f"mutant not detected: {result}"
 
@@ -222,7 +222,7 @@ def test_coupled_draws_of_two_distributions_agree_at_the_gumbel_coupling_rate():
     assert result.passes, str(result)
 
 
-@pytest.mark.parametrize("attr, mutant, shift", [("_gumbel", _mutant_exponential_noise, 0), (None, None, 1)],
+@pytest.mark.parametrize("attr, mutant, shift", [("gumbel", _mutant_exponential_noise, 0), (None, None, 1)],
                          ids=["exponential_noise", "draft_at_another_position"])
 def test_coupling_mutants_are_rejected(monkeypatch, attr, mutant, shift):
     if attr is not None:
@@ -277,7 +277,7 @@ def test_uniform_never_reaches_0_or_1_and_noise_stays_finite():
     words = torch.tensor([-(2**63), -1, 0, 1, 2**63 - 1, 4095, -4096], dtype=torch.int64)
     u = coupled_mod._uniform(words)
     assert u.min().item() == 2.0**-53 and u.max().item() == 1.0 - 2.0**-53
-    g = coupled_mod._gumbel(u.clone()).float()
+    g = coupled_mod.gumbel(u.clone()).float()
     assert torch.isfinite(g).all() and -3.7 < g.min().item() and g.max().item() < 36.8
 
 
@@ -308,12 +308,12 @@ def test_noise_made_in_blocks_of_rows_is_the_noise_made_at_once(monkeypatch, row
     cases = ((None, None), (token_ids, base))
 
     def noise_in_blocks_of(words: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(coupled_mod, "_CPU_BLOCK_WORDS", words)
+        monkeypatch.setattr(coupled_mod, "CPU_BLOCK_WORDS", words)
         return [coupled_mod._coupled_noise_reference(seeds, positions, vocab, ids, b) for ids, b in cases]
 
-    rows_per_block = max(1, coupled_mod._CPU_BLOCK_WORDS // vocab)
+    rows_per_block = max(1, coupled_mod.CPU_BLOCK_WORDS // vocab)
     assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == -(-rows // rows_per_block)
-    blocked = noise_in_blocks_of(coupled_mod._CPU_BLOCK_WORDS), noise_in_blocks_of(2 * vocab)
+    blocked = noise_in_blocks_of(coupled_mod.CPU_BLOCK_WORDS), noise_in_blocks_of(2 * vocab)
     assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == (rows + 1) // 2
     whole = noise_in_blocks_of(1 << 40)
     assert len(coupled_mod._row_blocks(rows, vocab, torch.device("cpu"))) == 1
@@ -372,7 +372,7 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 def test_batch_invariance_mutant_keyed_by_row_is_rejected(monkeypatch):
-    monkeypatch.setattr(coupled_mod, "_position_keys", _mutant_keyed_by_row)
+    monkeypatch.setattr(coupled_mod, "position_keys", _mutant_keyed_by_row)
     assert not _batch_invariance_holds()
 
 
@@ -541,7 +541,7 @@ def kernel():
     """samplers.triton_coupled, interpreted on CPU-only machines (TRITON_INTERPRET is read at import)."""
     pytest.importorskip("triton")
     module = importlib.import_module("samplers.triton_coupled")
-    if DEVICE == "cpu" and not module._interpreter_active():  # imported before, compiled (test_docs does)
+    if DEVICE == "cpu" and not module.interpreter_active():  # imported before, compiled (test_docs does)
         with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
             module = importlib.reload(module)
     return module
@@ -587,7 +587,7 @@ def test_kernel_scores_and_samples_equal_torch_bit_for_bit(kernel, dtype):
 
 
 def test_kernel_on_cpu_without_the_interpreter_says_how_to_run_it(kernel, monkeypatch):
-    monkeypatch.setattr(kernel, "_interpreter_active", lambda: False)
+    monkeypatch.setattr(kernel, "interpreter_active", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         coupled_noise(torch.tensor([1]), torch.tensor([2]), 4, backend="triton")
 

@@ -69,7 +69,7 @@ def _top_p_excluding_boundary(z, top_k, top_p):
 
 
 def test_sample_mutant_top_p_is_rejected(monkeypatch):
-    monkeypatch.setattr(probs_mod, "_top_k_top_p", _top_p_excluding_boundary)
+    monkeypatch.setattr(probs_mod, "top_k_top_p", _top_p_excluding_boundary)
     result = _sample_stat(PARAMS["top_p"])
     assert not result.passes, f"mutant not detected: {result}"
 
@@ -208,7 +208,7 @@ def _follow_sample_fresh_draw(p, is_child, walk):
 
 
 def test_tree_mutant_fresh_draw_on_miss_is_rejected(monkeypatch):
-    monkeypatch.setattr(tree_mod, "_follow_sample", _follow_sample_fresh_draw)
+    monkeypatch.setattr(tree_mod, "follow_sample", _follow_sample_fresh_draw)
     first, _second = _tree_stats(PARAMS["plain"], with_draft_probs=False)
     assert not first.passes, f"mutant not detected: {first}"
 

@@ -71,8 +71,8 @@ def _mutant_without_position(seeds, positions):
     return coupled_mod._stream(coupled_mod._stream(seeds, torch.zeros_like(seeds)), torch.zeros_like(positions))
 
 
-@pytest.mark.parametrize("attr, mutant", [("_gumbel", _mutant_exponential_noise),
-                                          ("_position_keys", _mutant_without_position)])
+@pytest.mark.parametrize("attr, mutant", [("gumbel", _mutant_exponential_noise),
+                                          ("position_keys", _mutant_without_position)])
 @pytest.mark.parametrize("name", ["none", "chain"])
 @pytest.mark.slow
 def test_noise_mutants_are_rejected(small, monkeypatch, attr, mutant, name):
@@ -172,7 +172,7 @@ def _mutant_keyed_by_row(seeds, positions):
 
 
 def test_noise_keyed_by_batch_row_breaks_the_invariance(coupled_models, reference, monkeypatch):
-    monkeypatch.setattr(coupled_mod, "_position_keys", _mutant_keyed_by_row)
+    monkeypatch.setattr(coupled_mod, "position_keys", _mutant_keyed_by_row)
     dec = _decoder(coupled_models, "chain")
     kw = SAMPLING["t1"]
     batched = _run(dec, PROMPTS, kw, SEEDS)
