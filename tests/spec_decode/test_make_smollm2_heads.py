@@ -535,13 +535,22 @@ def test_next_tokens_samples_the_softmax_and_a_mutant_is_caught(msh):
     assert greedy[0] == greedy[2] == 2
 
 
-def test_the_split_passes_make_the_incremental_pipelines_data(msh, shipped_target):
-    """Greedy rows: the same ids; every row: the same features to float rounding (fp16 storage)."""
+@pytest.mark.parametrize("way", ["batched", "teacher_forced"])
+def test_todays_data_passes_make_the_earlier_pipelines_data(msh, shipped_target, way):
+    """Greedy rows: the same ids; every row: the same features to float rounding (fp16 storage); the
+    teacher-forced pass over kept ids gives the same features as the pass that generated them."""
     prompts = [[5, 17, 99, 1023], [7, 3, 200], [11, 12, 13, 14, 15, 16], [9, 8]]
     temps = [0.0, 1.0, 0.0, 1.0]
-    recipe = msh.DataRecipe(new_tokens=10, feature_rows=3)
+    recipe = msh.DataRecipe(new_tokens=10, feature_rows=3, batch=3)
     aux_layers = msh.aux_layers_of(shipped_target)
     split = msh.continue_rows(shipped_target, prompts, temps, recipe, aux_layers, torch.Generator().manual_seed(1))
+    if way == "teacher_forced":
+        again = msh.teacher_forced_rows(shipped_target, [r["ids"].long() for r in split], aux_layers, recipe.top_k, 3)
+        for a, b in zip(again, split):
+            assert torch.equal(a["ids"], b["ids"])
+            torch.testing.assert_close(a["aux"].float(), b["aux"].float(), atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(a["topk_lp"].float(), b["topk_lp"].float(), atol=2e-2, rtol=1e-2)
+        split = again
     old = msh.continue_rows_incremental(shipped_target, prompts, temps, recipe, aux_layers,
                                         torch.Generator().manual_seed(1))
     for r, (a, b) in enumerate(zip(split, old)):
