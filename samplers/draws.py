@@ -72,10 +72,10 @@ def race_sample(weights: torch.Tensor, generator: Generators = None) -> torch.Te
     w_i / sum(w). E = -log(U), U from :func:`row_uniform`. Entries that are not > 0 (zero,
     NaN) never win unless the whole row is such, and then the result is 0: always in range.
     """
-    return _race_scores(weights, generator).argmax(-1)
+    return race_scores(weights, generator).argmax(-1)
 
 
-def _race_scores(weights: torch.Tensor, generator: Generators) -> torch.Tensor:
+def race_scores(weights: torch.Tensor, generator: Generators) -> torch.Tensor:
     """w / E for positive weights, a negative score for the rest. [..., V] -> float64 [..., V].
 
     Non-positive (or NaN) entries score ``-1 - i``: below every positive entry and
@@ -84,11 +84,11 @@ def _race_scores(weights: torch.Tensor, generator: Generators) -> torch.Tensor:
     u = row_uniform(weights.shape, generator, device=weights.device)
     e = -torch.log(u)  # >= 0; e == 0 only when u == 1, then w/e = inf wins
     w = weights.double()
-    return torch.where(w > 0, w / e, _race_tail(w.shape[-1], w.device))
+    return torch.where(w > 0, w / e, race_tail(w.shape[-1], w.device))
 
 
 @functools.lru_cache(maxsize=16)
-def _race_tail(vocab: int, device: torch.device) -> torch.Tensor:
+def race_tail(vocab: int, device: torch.device) -> torch.Tensor:
     """``-1 - i`` for i < vocab, float64: the scores of non-positive weights (cached, never written to:
     a draw takes two ops fewer; ``docs/performance.md`` has what that is worth)."""
     return -1.0 - torch.arange(vocab, dtype=torch.float64, device=device)
@@ -124,4 +124,4 @@ def sample_without_replacement(probs: torch.Tensor, k: int, generator: Generator
     if isinstance(k, bool) or not isinstance(k, Integral) or not 0 <= k <= vocab:
         raise ValueError(f"k must be an int in [0, {vocab}] (the vocabulary size), got {k!r}")
     check_generator(generator, probs.device, probs.shape[0])
-    return _race_scores(probs, generator).topk(int(k), dim=-1, sorted=True).indices
+    return race_scores(probs, generator).topk(int(k), dim=-1, sorted=True).indices

@@ -22,13 +22,13 @@ cfg = BenchConfig(target=M/"tiny-target", draft_lm=M/"tiny-draft", eagle=M/"tiny
 mc = ModelCache(cfg, "fp32", torch.device("cpu"))
 prompts = load_prompts(cfg.prompts, 4, 4096)[:4]
 orig = dict(pos=masks._positions, bias=masks._bias_values, pool=drafting._pool_depths, chain=drafting._chain_layout,
-            race=draws._race_tail, pc_t=tr.Transformer.prepare_chain, pc_e=eg._DraftHead.prepare_chain)
+            race=draws.race_tail, pc_t=tr.Transformer.prepare_chain, pc_e=eg._DraftHead.prepare_chain)
 def tables(on):
     masks._positions = orig["pos"] if on else (lambda n, device: torch.arange(n, device=device))
     masks._bias_values = orig["bias"] if on else orig["bias"].__wrapped__
     drafting._pool_depths = orig["pool"] if on else orig["pool"].__wrapped__
     drafting._chain_layout = orig["chain"] if on else orig["chain"].__wrapped__
-    draws._race_tail = orig["race"] if on else orig["race"].__wrapped__
+    draws.race_tail = orig["race"] if on else orig["race"].__wrapped__
 def prepare(on):
     if on:
         tr.Transformer.prepare_chain = orig["pc_t"]; eg._DraftHead.prepare_chain = orig["pc_e"]

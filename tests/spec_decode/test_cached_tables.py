@@ -13,7 +13,7 @@ from spec_decode.models import Transformer, masks
 CPU = torch.device("cpu")
 # (module, name) of every cached table a decode step reads
 TABLES = [(masks, "_arange_table"), (masks, "_bias_values"), (drafting, "_chain_layout"), (drafting, "_pool_depths"),
-          (draws, "_race_tail")]
+          (draws, "race_tail")]
 CACHED = {name: getattr(module, name) for module, name in TABLES}
 
 
@@ -27,7 +27,7 @@ def test_tables_equal_the_values_they_stand_for():
     assert torch.equal(parents, torch.arange(-1, 4).expand(3, 5)) and torch.equal(depth, torch.arange(5).expand(3, 5))
     assert torch.equal(mask, torch.ones(5, 5, dtype=torch.bool).tril().expand(3, 5, 5))
     assert torch.equal(drafting._pool_depths((1, 4, 2), (0, 1, 2), CPU), torch.tensor([0, 1, 1, 1, 1, 2, 2]))
-    assert torch.equal(draws._race_tail(6, CPU), -1.0 - torch.arange(6, dtype=torch.float64))
+    assert torch.equal(draws.race_tail(6, CPU), -1.0 - torch.arange(6, dtype=torch.float64))
 
 
 def _recording(monkeypatch, seen: list):
@@ -74,18 +74,18 @@ def test_generate_never_writes_into_a_cached_table(monkeypatch, target_and_draft
 
 
 def test_a_write_into_a_cached_table_is_caught(monkeypatch):
-    """The check above catches a caller that writes into a table it was handed (a mutant of ``_race_scores``)."""
+    """The check above catches a caller that writes into a table it was handed (a mutant of ``race_scores``)."""
     seen: list = []
     _recording(monkeypatch, seen)
-    real = draws._race_scores
+    real = draws.race_scores
 
     def writing_race_scores(weights, generator):
-        draws._race_tail(weights.shape[-1], weights.device).add_(1.0)
+        draws.race_tail(weights.shape[-1], weights.device).add_(1.0)
         return real(weights, generator)
 
-    monkeypatch.setattr(draws, "_race_scores", writing_race_scores)
+    monkeypatch.setattr(draws, "race_scores", writing_race_scores)
     try:
         draws.sample_without_replacement(torch.rand(2, 9), 3)
         assert _written(seen) > 0
     finally:
-        CACHED["_race_tail"].cache_clear()   # the mutant wrote into the real table: drop it
+        CACHED["race_tail"].cache_clear()   # the mutant wrote into the real table: drop it
