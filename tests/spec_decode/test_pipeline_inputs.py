@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from spec_decode import SpecDecoder, Transformer
-from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
-from spec_decode.models.eagle import load_drafter
+from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR
 from spec_decode.step import StepHooks
+
+from shipped_models import FX, PROMPT, eagle, needs_fixtures, target  # noqa: F401 (fixtures)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
@@ -115,19 +116,6 @@ def test_the_timer_hook_sees_every_phase_of_a_step(random_models):
 
 
 # ---------------------------------------------------------------- on the shipped models (issue #51)
-FX = find_fixtures_dir()
-needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
-PROMPT = [5, 9, 14, 3, 22, 7]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return Transformer.from_pretrained(FX / TARGET_SUBDIR, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def eagle(target):
-    return load_drafter(FX / EAGLE_SUBDIR, target, method="eagle")
 
 
 # ---------------------------------------------------------------- a temperature that is 0 in float32

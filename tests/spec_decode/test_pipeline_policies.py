@@ -11,9 +11,9 @@ import torch
 
 from numerics import NanPolicy
 from spec_decode import NanFault, SpecDecoder
-from spec_decode.fixtures import EAGLE_SUBDIR, TARGET_SUBDIR, find_fixtures_dir
 from spec_decode.models import Transformer
-from spec_decode.models.eagle import load_drafter
+
+from shipped_models import PROMPT, eagle, needs_fixtures, target  # noqa: F401 (fixtures)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22]]
 TREE = dict(num_steps=3, topk=3, num_draft_tokens=7)
@@ -126,19 +126,6 @@ def test_sampled_drafts_are_recorded_and_greedy_rows_are_untouched(models_by_dty
 
 
 # ---------------------------------------------------------------- what docs/spec_decode.md says of NanEvent
-FX = find_fixtures_dir()
-needs_fixtures = pytest.mark.skipif(FX is None or not (FX / TARGET_SUBDIR).is_dir(), reason="no shipped fixtures")
-PROMPT = [5, 9, 14, 3, 22, 7]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return Transformer.from_pretrained(FX / TARGET_SUBDIR, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def eagle(target):
-    return load_drafter(FX / EAGLE_SUBDIR, target, method="eagle")
 
 
 @needs_fixtures
