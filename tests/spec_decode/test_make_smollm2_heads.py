@@ -68,7 +68,7 @@ def test_training_prompts_are_not_evaluation_prompts(msh, build):
     prompts = msh.read_prompts(msh.Work(root / "work", Path(), Path(), msh.SEED))
     banned = msh.evaluation_texts()
     assert {p["kind"] for p in prompts} == {"code", "chat"}
-    assert not [p for p in prompts if msh._normalize(p["text"]) in banned]
+    assert not [p for p in prompts if msh.normalize_text(p["text"]) in banned]
     names = msh.humaneval_names()
     assert not [p for p in prompts if p["kind"] == "code" and any(f"`{n}(" in p["text"] for n in names)]
 
@@ -129,10 +129,10 @@ def test_a_later_pool_only_appends(msh, monkeypatch, index):
     added = [p for p in full if p["id"].split(":")[0] in prefixes]
     assert added and full[start: start + len(added)] == added
     for name, value in emptied.items():
-        monkeypatch.setattr(msh, name, value)
+        monkeypatch.setattr(msh.heads_prompts, name, value)
     assert msh.training_prompts()[:start] == full[:start]
     banned = msh.evaluation_texts()
-    assert not [p for p in added if msh._normalize(p["text"]) in banned]
+    assert not [p for p in added if msh.normalize_text(p["text"]) in banned]
     assert len(set(ids)) == len(ids)
     assert not _repeats_other_than_shared_stubs(full[:start] + added, {p["id"] for p in added})
 
@@ -188,7 +188,7 @@ def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, 
     """The fourth and fifth pools' code prompts are bare stubs (HumanEval's form) of stdlib functions that no
     HumanEval problem names and that no earlier prompt showed as a stub; code and chat alternate while both
     last."""
-    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
+    monkeypatch.setattr(msh.heads_prompts, "CODE_STUBS", FEW_STUBS)
     full = msh.training_prompts()
     pool = [p for p in full if p["id"].split(":")[0] in (stub_prefix, chat_prefix)]
     stubs = [p for p in pool if p["id"].startswith(f"{stub_prefix}:")]
@@ -205,7 +205,7 @@ def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, 
 def test_the_fourth_and_fifth_pools_stub_every_function_once(msh, monkeypatch):
     """The fourth pool draws ``CODE_STUBS`` functions; the fifth stubs every other function the first pool did
     not show as a stub, so together they show each such function once."""
-    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
+    monkeypatch.setattr(msh.heads_prompts, "CODE_STUBS", FEW_STUBS)
     full = msh.training_prompts()
     fourth = [_function(p["id"]) for p in full if p["id"].startswith("code2:")]
     fifth = [_function(p["id"]) for p in full if p["id"].startswith("code3:")]
@@ -304,7 +304,8 @@ def test_draft_vocabulary_and_coverage(msh, build):
 def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target, monkeypatch):
     run, root = build
     # the tiny build's prompts name no evaluation subject: every chat prompt stands in for one here
-    monkeypatch.setattr(msh, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
+    # stage_eagle3 reads it from heads_train
+    monkeypatch.setattr(msh.heads_train, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
     work = root / "work"
     fresh = root / "rebuilt-from-kept-tokens"
     shutil.copytree(work, fresh)
@@ -319,7 +320,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
     trained = [i for s in ("train-00000", "train-00001")
                for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
-    assert stats["train"]["near_evaluation_rows"] == sum(msh.near_evaluation(by_id[i]) for i in trained) > 0
+    assert stats["train"]["near_evaluation_rows"] == sum(msh.heads_train.near_evaluation(by_id[i]) for i in trained) > 0
 
     assert run("export") == 0
     out = root / "models" / "head"
@@ -527,14 +528,14 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
     try:
         msh.mf.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
         signalled = _SignalledTarget(shipped_target)
-        monkeypatch.setattr(msh, "load_target", lambda w: signalled)
+        monkeypatch.setattr(msh.heads_data, "load_target", lambda w: signalled)
         t0 = time.monotonic()
         with pytest.raises(msh.mf.Interrupted, match="signal"):
             msh.stage_data(work, args)
         assert time.monotonic() - t0 < 10 and signalled.calls < 10
         assert not work.data_dir.exists() or not list(work.data_dir.iterdir())   # nothing half-written
         msh.mf.CLOCK.stop_requested = False   # the rerun: a fresh process
-        monkeypatch.setattr(msh, "load_target", lambda w: shipped_target)
+        monkeypatch.setattr(msh.heads_data, "load_target", lambda w: shipped_target)
         msh.stage_data(work, args)
     finally:
         for sig, handler in handlers.items():
@@ -609,7 +610,9 @@ def test_kept_token_ids_rebuild_the_shards_without_generating(msh, build, monkey
     def no_generation(*args, **kwargs):
         raise AssertionError("generated although the token ids were kept")
 
-    monkeypatch.setattr(msh, "generate_tokens", no_generation)
+    # the data stage generates through generate_shard (continue_rows) only
+    monkeypatch.setattr(msh.heads_data, "generate_shard", no_generation)
+    monkeypatch.setattr(msh.heads_data, "continue_rows", no_generation)
     assert run("data", "--shards", "2", "--tokens-dir", str(kept), work=fresh) == 0
     for shard in ("heldout-00000", "train-00000", "train-00001"):
         a, b = msh.read_shard(root / "work" / "data" / shard), msh.read_shard(fresh / "data" / shard)
@@ -632,7 +635,7 @@ def test_kept_token_ids_for_another_run_are_refused_naming_the_file(msh, build, 
 
 # ------------------------------------------------------------------------------------------ the model's own user turns
 def test_a_user_turn_is_kept_only_when_new_whole_and_clear_of_the_evaluation_sets(msh):
-    seen, banned = {msh._normalize("Can you suggest a name for my bakery startup?")}, {msh._normalize("Tell me a joke.")}
+    seen, banned = {msh.normalize_text("Can you suggest a name for my bakery startup?")}, {msh.normalize_text("Tell me a joke.")}
     names = {"has_close_elements", "below_zero", "add"}
     keep = lambda text: msh.keep_user_turn(text, seen, banned, names)   # noqa: E731
     assert keep("Can you provide some resources on cybersecurity for small firms?")
@@ -667,7 +670,8 @@ class _TurnTokenizer:
 
 def test_sampled_user_turns_follow_the_prefix_and_stop_at_the_end_of_turn(msh, shipped_target):
     prefix = [3 + ord(c) % 90 for c in "<s>user: "]
-    sampled = msh.generate_tokens(shipped_target, [prefix] * 16, [1.0] * 16, 40, torch.Generator().manual_seed(0))
+    sampled = msh.heads_data.generate_tokens(shipped_target, [prefix] * 16, [1.0] * 16, 40,
+                                             torch.Generator().manual_seed(0))
     end = int(sampled[:, 1:].flatten().mode().values)   # a token the tiny model samples often ends the turn
     tok = _TurnTokenizer(end)
     assert msh.user_turn_prefix(tok) == prefix
