@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_fixtures
 
 
 def _script_module(path: Path):
+    """A script of fixtures/ as a module; its siblings (``fixtures_*.py``) import by name, as when it runs, so
+    fixtures/ goes on ``sys.path`` as the script's own directory does then."""
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
