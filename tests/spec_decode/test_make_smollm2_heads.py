@@ -524,9 +524,9 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
     work = _tiny_work(msh, tmp_path, safespec_tiny_target_path)
     args = argparse.Namespace(shards=1, data_worker=(0, 1), shard_rows=2, new_tokens=48)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(msh.mf, "CLOCK", None)
+    monkeypatch.setattr(msh.fixtures_run, "CLOCK", None)
     try:
-        msh.mf.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
+        msh.fixtures_run.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
         signalled = _SignalledTarget(shipped_target)
         monkeypatch.setattr(msh.heads_data, "load_target", lambda w: signalled)
         t0 = time.monotonic()
@@ -534,7 +534,7 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
             msh.stage_data(work, args)
         assert time.monotonic() - t0 < 10 and signalled.calls < 10
         assert not work.data_dir.exists() or not list(work.data_dir.iterdir())   # nothing half-written
-        msh.mf.CLOCK.stop_requested = False   # the rerun: a fresh process
+        msh.fixtures_run.CLOCK.stop_requested = False   # the rerun: a fresh process
         monkeypatch.setattr(msh.heads_data, "load_target", lambda w: shipped_target)
         msh.stage_data(work, args)
     finally:
