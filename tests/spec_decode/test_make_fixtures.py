@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "fixtures" / "make_fixtures
 
 
 def _script_module(path: Path):
+    """A script of fixtures/ as a module; its siblings (``fixtures_*.py``) import by name, as when it runs, so
+    fixtures/ goes on ``sys.path`` as the script's own directory does then."""
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -138,7 +143,7 @@ def test_eagle3_unroll_gives_the_recomputed_losses_and_gradients(make_fixtures, 
 
 
 class StopAfter:
-    """A stand-in for make_fixtures.CLOCK: ``must_stop`` turns true at its n-th call."""
+    """A stand-in for fixtures_run.CLOCK: ``must_stop`` turns true at its n-th call."""
 
     def __init__(self, n):
         self.calls, self.n = 0, n
@@ -167,13 +172,13 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
             opt.step()
             return {"loss": loss.detach()}
 
-        monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(stop_after))
+        monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(stop_after))
         state = make_fixtures.train_resumable(stage, net, opt, gen, cfg, step_fn,
                                               eval_fn=lambda: {"w": round(float(net[1].weight.detach().sum()), 6)})
         return net, state
 
-    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
-    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_EVERY_S", 1e9)
     whole, whole_state = run("whole", 10**9)
     with pytest.raises(make_fixtures.Interrupted):
         run("split", 4)
@@ -201,12 +206,12 @@ def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, 
         opt.step()
         return {"loss": loss.detach()}
 
-    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
-    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
-    monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(3))
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_EVERY_S", 1e9)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(3))
     with pytest.raises(make_fixtures.Interrupted):
         make_fixtures.train_resumable("head", net, opt, gen, cfg, step_fn)
-    monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(10**9))
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(10**9))
     with pytest.raises(RuntimeError, match=r"another head recipe \(changed: \['aux_scaling', 'lr'\]\)"):
         make_fixtures.train_resumable("head", net, opt, gen, {**cfg, "lr": 2e-2, "aux_scaling": "rms"}, step_fn)
     assert make_fixtures.train_resumable("head", net, opt, gen, cfg, step_fn)["step"] == 6   # its own recipe resumes
@@ -255,8 +260,8 @@ def test_auto_training_precision_follows_the_cpu_flags(make_fixtures, flags, wan
 
 def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path, monkeypatch):
     """A run started in bf16 autocast resumes in bf16 even when the new machine would choose fp32."""
-    monkeypatch.setattr(make_fixtures, "CKPT_DIR", tmp_path)
-    monkeypatch.setattr(make_fixtures, "CKPT_EVERY_S", 1e9)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_EVERY_S", 1e9)
     seen = []
 
     def run(precision, stop_after):
@@ -266,15 +271,15 @@ def test_a_resumed_stage_keeps_its_checkpoints_precision(make_fixtures, tmp_path
         def step_fn(step):
             with make_fixtures.train_autocast():
                 y = net(torch.ones(2, 4))
-            seen.append((make_fixtures.PRECISION, y.dtype))
+            seen.append((make_fixtures.fixtures_run.PRECISION, y.dtype))
             loss = y.float().square().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
             return {"loss": loss.detach()}
 
-        monkeypatch.setattr(make_fixtures, "PRECISION", precision)
-        monkeypatch.setattr(make_fixtures, "CLOCK", StopAfter(stop_after))
+        monkeypatch.setattr(make_fixtures.fixtures_run, "PRECISION", precision)
+        monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(stop_after))
         return make_fixtures.train_resumable("p", net, opt, torch.Generator(), dict(steps=4, lr=0.1, warmup=1),
                                              step_fn)
 

