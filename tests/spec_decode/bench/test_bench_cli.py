@@ -363,35 +363,30 @@ def test_a_bad_fixtures_variable_is_named_not_a_download(tmp_path, monkeypatch, 
     assert "--target" in line and "SAFESPEC_FIXTURES_DIR" in line and "download" not in line, line
 
 
-def test_profile_json_that_cannot_be_written_exits_2_naming_it(fx, capsys):
+def _printed_the_split(out: str) -> bool:
+    return "verify_forward" in out
+
+
+def _printed_the_verify_block(out: str) -> bool:
+    return "2-token verify forward" in out and json.loads(out[out.index("{"):])["block_tokens"] == 2
+
+
+@pytest.mark.parametrize("args,printed", [(["--max-new-tokens", "2"], _printed_the_split),
+                                          (["--verify-tokens", "2"], _printed_the_verify_block)],
+                         ids=["split", "verify_tokens"])
+def test_profile_json_that_cannot_be_written_exits_2_keeping_the_result(fx, capsys, args, printed):
+    """A ``--json`` that fails only on writing: exit 2 naming ``--json``, no traceback, and what was
+    measured printed before (the split, or the ``--verify-tokens`` line and its JSON): nothing is lost."""
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")
     inputs = [str(a) for a in _inputs(fx)]
     with pytest.raises(SystemExit) as exc:
-        main(["profile"] + inputs + ["--num-prompts", "1", "--max-new-tokens", "2", "--threads", "1",
-                                     "--json", "/dev/full"])
+        main(["profile"] + inputs + ["--num-prompts", "1", *args, "--threads", "1", "--json", "/dev/full"])
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     assert "--json /dev/full" in captured.err.strip().splitlines()[-1]
-    assert "verify_forward" in captured.out   # the split it measured was printed before the write failed
-
-
-def test_profile_verify_tokens_json_that_cannot_be_written_exits_2_keeping_the_result(fx, capsys):
-    """``--verify-tokens`` with a ``--json`` that fails only on writing: exit 2 naming ``--json``, no
-    traceback, and what was measured printed (the line and the JSON) so that nothing is lost."""
-    if not Path("/dev/full").exists():
-        pytest.skip("no /dev/full here")
-    inputs = [str(a) for a in _inputs(fx)]
-    with pytest.raises(SystemExit) as exc:
-        main(["profile"] + inputs + ["--num-prompts", "1", "--verify-tokens", "2", "--threads", "1",
-                                     "--json", "/dev/full"])
-    assert exc.value.code == 2
-    captured = capsys.readouterr()
-    assert "Traceback" not in captured.err
-    assert "--json /dev/full" in captured.err.strip().splitlines()[-1]
-    assert "2-token verify forward" in captured.out
-    assert json.loads(captured.out[captured.out.index("{"):])["block_tokens"] == 2
+    assert printed(captured.out)
 
 
 def test_profile_verify_tokens_past_positions_names_it_and_its_bound(fx, capsys, no_work):
