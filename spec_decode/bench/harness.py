@@ -132,10 +132,13 @@ def check_models(target, drafters: dict):
     config = check("--target", target)[0]
     for name, path in drafters.items():
         option = DRAFTER_OPTIONS[name]
-        layout = check(option, path, drafter_layout)[1]
+        head_config, layout = check(option, path, drafter_layout)
         if layout != DRAFTER_METHODS[name]:
             raise BenchInputError(f"{option} {path}: holds a {layout!r} drafter, {option} takes a "
                                   f"{DRAFTER_METHODS[name]!r} one")
+        if layout != "draft_model" and head_config.hidden_size != config.hidden_size:   # an EAGLE head reads them
+            raise BenchInputError(f"{option} {path}: a head of hidden size {head_config.hidden_size} for a target "
+                                  f"of hidden size {config.hidden_size}; give the head trained for --target {target}")
     return config
 
 

@@ -69,6 +69,15 @@ def _truncated(fx: Path, name: str, tmp: Path) -> Path:
     return dst
 
 
+def _head_for_another_target(fx: Path, tmp: Path) -> Path:
+    """The tiny EAGLE head with its hidden size doubled in its config: a head made for another target."""
+    dst = shutil.copytree(fx / "models" / "tiny-eagle", tmp / "eagle-for-another-target")
+    config = json.loads((dst / "config.json").read_text())
+    config["hidden_size"] *= 2
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def _file(tmp: Path) -> Path:
     path = tmp / "existing-file"
     path.write_text("x")
@@ -128,6 +137,7 @@ PROBES = {
     "gemm_target_missing": ("gemm", lambda fx, t: ["--target", t / "absent"], "--target"),
     "gemm_eagle_truncated": ("gemm", lambda fx, t: ["--eagle", _truncated(fx, "tiny-eagle", t)], "--eagle"),
     "gemm_eagle_missing": ("gemm", lambda fx, t: ["--eagle", t / "absent"], "--eagle"),
+    "gemm_eagle_for_another_target": ("gemm", lambda fx, t: ["--eagle", _head_for_another_target(fx, t)], "--eagle"),
     "compile_target_truncated": ("compile", lambda fx, t: ["--target", _truncated(fx, "tiny-target", t)],
                                  "--target"),
     "compile_target_missing": ("compile", lambda fx, t: ["--target", t / "absent"], "--target"),
