@@ -293,6 +293,18 @@ def test_data_workers_split_the_shards_and_make_the_same_bits(msh, build):
             run("data", "--data-worker", bad, work=split)
 
 
+def test_first_shard_adds_the_later_shards_with_the_same_bits(build):
+    run, root = build
+    later = root / "later"
+    later.mkdir()
+    shutil.copy(root / "work" / "prompts.jsonl", later / "prompts.jsonl")
+    assert run("data", "--shards", "2", "--first-shard", "1", work=later) == 0
+    # train-00000 is left to an earlier run; the held-out shard is always made
+    assert sorted(p.name for p in (later / "data").iterdir()) == ["heldout-00000", "train-00001"]
+    a = (root / "work" / "data" / "train-00001" / "aux.npy").read_bytes()
+    assert (later / "data" / "train-00001" / "aux.npy").read_bytes() == a
+
+
 def test_draft_vocabulary_and_coverage(msh, build):
     _, root = build
     stats = json.loads((root / "work" / "stats" / "vocab.json").read_text())
@@ -460,6 +472,8 @@ BAD_ARGS = {   # name -> (fn(tmp) -> bad values, the option the error names)
     "shards_zero": (lambda t: ["--shards", "0"], "--shards"),
     "shards_negative": (lambda t: ["--shards", "-3"], "--shards"),
     "shard_rows_zero": (lambda t: ["--shard-rows", "0"], "--shard-rows"),
+    "first_shard_past_the_shards": (lambda t: ["--shards", "2", "--first-shard", "2"], "--first-shard"),
+    "first_shard_negative": (lambda t: ["--first-shard", "-1"], "--first-shard"),
     "new_tokens_negative": (lambda t: ["--new-tokens", "-1"], "--new-tokens"),
     "max_minutes_nan": (lambda t: ["--max-minutes", "nan"], "--max-minutes"),
     "target_missing": (lambda t: ["--target", "/nonexistent"], "--target"),
@@ -522,7 +536,7 @@ def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh
     """SIGTERM mid-shard: the stage stops within a forward or two (not at the shard's end), writes no partial
     shard, and the same command then generates every shard."""
     work = _tiny_work(msh, tmp_path, safespec_tiny_target_path)
-    args = argparse.Namespace(shards=1, data_worker=(0, 1), shard_rows=2, new_tokens=48)
+    args = argparse.Namespace(shards=1, first_shard=0, data_worker=(0, 1), shard_rows=2, new_tokens=48)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(msh.fixtures_run, "CLOCK", None)
     try:
