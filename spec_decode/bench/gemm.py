@@ -1,6 +1,12 @@
 """``spec-bench gemm``: the panel kernel (``spec_decode.cpu.cpu_gemm``) against torch's kernels, side by side.
 
-Two parts, one thread (the kernel's arithmetic is float32; bf16 layers run through it in float32):
+Three parts, one thread (the kernel's arithmetic is float32; bf16 layers run through it in float32):
+
+* the kernel over one forward's projections of the target (its own weights, each packed once, so they
+  stream from memory as in a real forward), at ``--kernel-rows`` rows, with float32 and bf16 panels, on
+  each ``--isa`` path: GFLOP/s against the core's measured FMA peak on that path
+  (``cpu_gemm.fma_peak_gflops``), and the weights' GB/s (one row reads every weight for one FMA each,
+  so memory bounds it; a block of rows reuses each weight it loads);
 
 * every projection shape of the target and the EAGLE head (the lm_head included) over a few row
   counts, in float32: the median of ``--repeats`` calls of ``F.linear`` and of the kernel;
@@ -67,6 +73,75 @@ def time_projections(shapes, rows, repeats: int) -> list[dict]:
     return out
 
 
+def forward_panels(target, dtype) -> list:
+    """A ``PanelWeight`` of every projection of ``target`` (the lm_head included), weights in ``dtype``, no bias:
+    one forward's projections, each packed once."""
+    from spec_decode.cpu import Linear
+    from spec_decode.cpu.cpu_gemm import PanelWeight
+
+    return [PanelWeight(m.weight.detach().to(dtype)) for m in target.modules() if isinstance(m, Linear)]
+
+
+def kernel_throughput(panels: list, rows: int, repeats: int, peak_gflops: float) -> dict:
+    """One pass over ``panels`` (``forward_panels``) at ``rows`` rows, the median of ``repeats`` passes:
+    {"rows", "ms", "gflops", "peak_frac", "weight_gbs"}."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if panels[0]._panels_bf16 else torch.float32
+    xs = {K: torch.randn(rows, K, generator=gen).to(dtype) for K in {p.in_features for p in panels}}
+
+    def one_pass():
+        for p in panels:
+            p(xs[p.in_features])
+
+    seconds = median_us(one_pass, repeats) / 1e6
+    flops = sum(2 * rows * p.in_features * p.out_features for p in panels)
+    weight_bytes = sum(p.panels.numel() * p.panels.element_size() for p in panels)
+    return {"rows": rows, "ms": seconds * 1e3, "gflops": flops / seconds / 1e9,
+            "peak_frac": flops / seconds / 1e9 / peak_gflops, "weight_gbs": weight_bytes / seconds / 1e9}
+
+
+def kernel_report(target, isas, rows, repeats: int) -> list[dict]:
+    """``kernel_throughput`` of ``target``'s projections for each path in ``isas``, panel dtype and row count,
+    each path against its own measured FMA peak; the path in use is restored after."""
+    from spec_decode.cpu import cpu_gemm
+
+    out = []
+    try:
+        for isa in isas:
+            used = cpu_gemm.set_isa(isa)
+            peak = cpu_gemm.fma_peak_gflops(used)
+            for dtype in (torch.float32, torch.bfloat16):
+                panels = forward_panels(target, dtype)
+                for r in rows:
+                    out.append({"isa": used, "panels": DTYPE_LABELS[dtype], "peak_gflops": peak,
+                                **kernel_throughput(panels, r, repeats, peak)})
+                del panels
+    finally:
+        cpu_gemm.set_isa(None)
+    return out
+
+
+DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def print_kernel_report(report: list[dict]) -> None:
+    print("the kernel over one forward's projections of the target, 1 thread (median of passes)")
+    print(f"  {'path':>6s} {'panels':>6s} {'rows':>4s} {'ms':>7s} {'GFLOP/s':>8s} {'of peak':>7s} {'weights GB/s':>12s}")
+    for r in report:
+        print(f"  {r['isa']:>6s} {r['panels']:>6s} {r['rows']:>4d} {r['ms']:7.2f} {r['gflops']:8.1f} "
+              f"{r['peak_frac']:6.0%} {r['weight_gbs']:12.1f}")
+    for isa in dict.fromkeys(r["isa"] for r in report):
+        peak = next(r["peak_gflops"] for r in report if r["isa"] == isa)
+        print(f"  {isa} FMA peak, one core, measured: {peak:.1f} GFLOP/s")
+
+
+def default_isas() -> tuple[str, ...]:
+    """Every path this CPU runs: AVX2, and AVX-512F where it has it (forced to AVX2 too)."""
+    from spec_decode.cpu.capability import cpu_flags
+
+    return ("avx2", "avx512") if "avx512f" in cpu_flags() else ("avx2",)
+
+
 def kernel_variants(dtype) -> dict:
     """tag -> ``set_panel_linears`` arguments (on, panel_dtype) of the end-to-end comparison."""
     variants = {"on": (None, None), "off": (False, None)}
@@ -93,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=csv_list(positive_int), default=(1, 2, 3, 5, 8, 16),
                    help="comma list (default 1,2,3,5,8,16)")
     p.add_argument("--repeats", type=positive_int, default=1000, help="calls per projection timing (median)")
+    p.add_argument("--kernel-rows", type=csv_list(positive_int), default=(1, 4, 6, 12),
+                   help="rows of the per-forward kernel part (default 1,4,6,12)")
+    p.add_argument("--kernel-repeats", type=positive_int, default=20,
+                   help="passes over the forward's projections per figure (median; default 20)")
+    p.add_argument("--isa", type=csv_list(str), default=None,
+                   help="paths of the per-forward kernel part, comma list of avx2,avx512 (default: every path "
+                        "this CPU runs; avx2 alone forces the AVX2 path on an AVX-512 CPU)")
     p.add_argument("--num-prompts", type=nonneg_int, default=8, help="prompts of the end-to-end part (0 skips it)")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--dtype", default="fp32", choices=DTYPE_NAMES,
@@ -108,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     dtype = torch_dtype(args.dtype)
+    isas = tuple(args.isa) if args.isa else default_isas()
+    bad = [i for i in isas if i not in cpu_gemm.ISAS]
+    if bad:
+        p.error(f"--isa {','.join(bad)}: not a kernel path; choose from {','.join(cpu_gemm.ISAS)}")
     try:   # the end-to-end part warms up on the prompt after the measured ones
         prompts = checked_prompts(args, extra=1)
     except BenchInputError as e:
@@ -116,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the panel kernel is not available on this machine (see spec_decode.cpu.cpu_gemm)")
         return 1
     decs = decoders(args.target, args.eagle, dtype)   # outside inference_mode: its weights are never packed
+    with torch_threads(1), torch.inference_mode():
+        print_kernel_report(kernel_report(decs["ar on"].target, isas, args.kernel_rows, args.kernel_repeats))
     shapes = projection_shapes(decs["eagle_chain on"].target, decs["eagle_chain on"].drafter)
     with torch_threads(1), torch.inference_mode():
         rows = time_projections(shapes, args.rows, args.repeats)

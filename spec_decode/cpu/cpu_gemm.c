@@ -233,6 +233,47 @@ static inline int isa(void) {
     return panel_isa;
 }
 
+/* The core's float32 FMA peak, for measurements (spec-bench gemm): PEAK_CHAINS independent accumulators of
+ * 8 (AVX2) or 16 (AVX-512F) lanes, one FMA each a step, enough chains to hide the FMA latency on every x86
+ * core we know. Returns a value that depends on every chain, so the compiler keeps them all. */
+#define PEAK_CHAINS 12
+
+__attribute__((target("avx2,fma"))) static float fma_peak_avx2(long steps) {
+    __m256 acc[PEAK_CHAINS];
+    const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
+    for (long i = 0; i < steps; i++)
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    float out[8], sum = 0.0f;
+    for (int c = 0; c < PEAK_CHAINS; c++) {
+        _mm256_storeu_ps(out, acc[c]);
+        sum += out[0];
+    }
+    return sum;
+}
+
+__attribute__((target("avx512f"))) static float fma_peak_avx512(long steps) {
+    __m512 acc[PEAK_CHAINS];
+    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-6f);
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (long i = 0; i < steps; i++)
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    float sum = 0.0f;
+    for (int c = 0; c < PEAK_CHAINS; c++) sum += _mm512_reduce_add_ps(acc[c]);
+    return sum;
+}
+
+/* steps x PEAK_CHAINS FMAs of 8 lanes (isa 1) or 16 (isa 2, where the CPU has AVX-512F; else AVX2). Returns
+ * the lanes per FMA it ran, and writes the chains' value to *sink. */
+int safespec_fma_peak(int want_isa, long steps, float *sink) {
+    if (want_isa == 2 && best_isa() == 2) {
+        *sink = fma_peak_avx512(steps);
+        return 16;
+    }
+    *sink = fma_peak_avx2(steps);
+    return 8;
+}
+
 /* Rows per block: AVX-512F splits M into near-equal blocks of at most MAX_BLOCK_ROWS_512 rows (a block's
  * size changes no output: every row's outputs are the same chains in any block). */
 static inline int block_rows(int M, int m0, int avx512) {

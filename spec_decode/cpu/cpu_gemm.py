@@ -42,6 +42,7 @@ import shlex
 import subprocess
 import sysconfig
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,28 @@ def set_isa(name: str | None) -> str | None:
     if kernels is None:
         return None
     return {v: k for k, v in ISAS.items()}[kernels.isa(0 if name is None else ISAS[name])]
+
+
+PEAK_CHAINS = 12   # cpu_gemm.c's: independent FMA chains of safespec_fma_peak
+
+
+def fma_peak_gflops(isa_name: str, steps: int = 2_000_000, repeats: int = 5) -> float:
+    """One core's measured float32 FMA peak on the kernel's path ``isa_name`` (``"avx2"``: 8 lanes,
+    ``"avx512"``: 16 where the CPU has AVX-512F, else the AVX2 figure), in GFLOP/s (an FMA counts two):
+    the best of ``repeats`` runs of ``PEAK_CHAINS`` independent chains of ``steps`` FMAs each. Call it on one
+    thread of a quiet machine; None without the kernel."""
+    if isa_name not in ISAS:
+        raise ValueError(f"isa_name must be one of {sorted(ISAS)}, got {isa_name!r}")
+    kernels = loaded_kernels()
+    if kernels is None:
+        return None
+    sink = ctypes.c_float()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lanes = kernels.fma_peak(ISAS[isa_name], steps, ctypes.byref(sink))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * lanes * PEAK_CHAINS * steps / best / 1e9
 
 
 class PanelWeight:
@@ -215,6 +238,7 @@ class _Kernels:
     bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
     attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
     isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
+    fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
 
 @functools.cache
@@ -225,7 +249,7 @@ def loaded_kernels() -> _Kernels | None:
     try:
         lib = ctypes.CDLL(str(_build()))
         fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
-        isa = lib.safespec_panel_isa
+        isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
@@ -239,7 +263,8 @@ def loaded_kernels() -> _Kernels | None:
     attention.argtypes = ([i32] * 5 + [ptr, i32, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, i64, ctypes.c_float,
                                         ptr, i32])
     isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
-    return _Kernels(fp32, bf16, attention, isa)
+    fma_peak.restype, fma_peak.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+    return _Kernels(fp32, bf16, attention, isa, fma_peak)
 
 
 def _cpu_has_avx2_fma() -> bool:

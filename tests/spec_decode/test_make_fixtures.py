@@ -191,6 +191,41 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
         assert torch.equal(a, b)
 
 
+def test_stalled_compares_the_last_evaluations_with_the_best_before_them(make_fixtures):
+    stalled = make_fixtures.fixtures_run.stalled
+    evals = lambda *xs: [{"a": x} for x in xs]   # noqa: E731
+    assert not stalled(evals(0.5, 0.6), "a", patience=2, min_gain=0.01)          # too few to judge
+    assert not stalled(evals(0.5, 0.50, 0.52), "a", patience=2, min_gain=0.01)   # the last one gained enough
+    assert stalled(evals(0.5, 0.505, 0.509), "a", patience=2, min_gain=0.01)
+    assert stalled(evals(0.6, 0.5, 0.55), "a", patience=2, min_gain=0.0)          # below an earlier best
+    assert not stalled(evals(0.5, 0.4, 0.45, 0.6), "a", patience=2, min_gain=0.05)
+
+
+def test_a_stalled_run_stops_early_and_stays_stopped(make_fixtures, tmp_path, monkeypatch):
+    """With a stop key the run ends once its eval value stalls; a rerun keeps the stop instead of
+    training on."""
+    cfg = dict(steps=50, lr=1e-2, warmup=1, eval_every=5, stop_key="score", stop_patience=2, stop_min_gain=0.1)
+    net = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg["lr"])
+    gen = torch.Generator().manual_seed(0)
+    scores = iter([0.1, 0.5, 0.55, 0.58] + [0.9] * 20)   # gains 0.05 and 0.08 after 0.5: stalled at step 20
+
+    def step_fn(step):
+        loss = net(torch.randn(4, 3, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return {"loss": loss.detach()}
+
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
+    monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(10**9))
+    state = make_fixtures.train_resumable("s", net, opt, gen, cfg, step_fn, eval_fn=lambda: {"score": next(scores)})
+    assert state["step"] == 20 and state["stopped_early"] == 20
+    assert [e["step"] for e in state["eval"]] == [5, 10, 15, 20]
+    again = make_fixtures.train_resumable("s", net, opt, gen, cfg, step_fn, eval_fn=lambda: {"score": next(scores)})
+    assert again["step"] == 20 and again["runs"] == 2
+
+
 def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, monkeypatch):
     """A stage's checkpoint records its recipe; a run with another recipe refuses it, naming what changed,
     instead of silently continuing the old training under the new name."""

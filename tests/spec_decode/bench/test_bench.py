@@ -679,6 +679,32 @@ def test_gemm_subcommand_times_every_projection_and_compares_end_to_end(fake_fix
     assert len(lines) >= 2 * 4   # the fake target's and head's projection shapes, at two row counts
 
 
+def test_gemm_reports_the_kernels_gflops_per_forward_against_the_fma_peak(fake_fixtures, capsys):
+    out = _run_gemm(fake_fixtures, capsys, "--rows", "1", "--kernel-rows", "1,4", "--kernel-repeats", "2",
+                    "--isa", "avx2")
+    if out is None:
+        return
+    lines = [ln.split() for ln in out.splitlines() if ln.strip().startswith("avx2 ") and "peak" not in ln]
+    assert [(ln[1], ln[2]) for ln in lines] == [("fp32", "1"), ("fp32", "4"), ("bf16", "1"), ("bf16", "4")]
+    assert all(float(ln[4]) > 0 and ln[5].endswith("%") for ln in lines)
+    assert re.search(r"avx2 FMA peak, one core, measured: \d+\.\d GFLOP/s", out)
+
+
+def test_kernel_throughput_counts_the_forwards_flops_and_weight_bytes(monkeypatch):
+    from spec_decode.bench import gemm
+    from spec_decode.cpu import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the panel kernel is not available on this machine")
+    panels = [cpu_gemm.PanelWeight(torch.zeros(n, k, dtype=torch.bfloat16)) for k, n in ((8, 20), (20, 8), (8, 8))]
+    monkeypatch.setattr(gemm, "median_us", lambda fn, repeats: 1000.0)   # one pass: 1 ms
+    got = gemm.kernel_throughput(panels, rows=3, repeats=1, peak_gflops=1e-3)
+    flops = 2 * 3 * (8 * 20 + 20 * 8 + 8 * 8)
+    assert got["gflops"] == pytest.approx(flops / 1e-3 / 1e9) and got["peak_frac"] == pytest.approx(flops / 1e-3 / 1e9 / 1e-3)
+    # the panels as packed (whole panels of 16 outputs, zero padded), bf16: 2 bytes a weight
+    assert got["weight_gbs"] == pytest.approx(2 * (2 * 8 * 16 + 1 * 20 * 16 + 1 * 8 * 16) / 1e-3 / 1e9)
+
+
 def test_gemm_in_bf16_also_compares_float32_panels(fake_fixtures, capsys):
     out = _run_gemm(fake_fixtures, capsys, "--rows", "1", "--dtype", "bf16")
     if out is None:
@@ -690,6 +716,8 @@ def test_gemm_in_bf16_also_compares_float32_panels(fake_fixtures, capsys):
     ("gemm", ["--rows", "0"], "--rows"),
     ("gemm", ["--repeats", "0"], "--repeats"),
     ("gemm", ["--dtype", "fp8"], "--dtype"),
+    ("gemm", ["--isa", "avx2,sse"], "--isa"),
+    ("gemm", ["--kernel-rows", "0"], "--kernel-rows"),
     ("profile", ["--method", "ar"], "--method"),
     ("profile", ["--method", "hf_generate"], "--method"),
     ("profile", ["--dtype", "fp8"], "--dtype"),

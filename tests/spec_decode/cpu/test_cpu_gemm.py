@@ -7,6 +7,7 @@ to float32 rounding.
 """
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 import warnings
@@ -491,3 +492,17 @@ def test_a_row_gets_the_same_bits_alone_or_in_a_block_on_each_path(M, isa):
     block = packed(x)
     for r in range(M):
         assert _same_bits(block[r:r + 1], packed(x[r:r + 1]))
+
+
+def test_the_fma_peak_is_measured_on_the_path_asked_for():
+    if not cpu_gemm.available():
+        pytest.skip("the panel kernel is not available on this machine")
+    avx2 = cpu_gemm.fma_peak_gflops("avx2", steps=20_000, repeats=2)
+    assert avx2 > 0
+    with pytest.raises(ValueError, match="isa_name must be one of"):
+        cpu_gemm.fma_peak_gflops("sse")
+    # 16 lanes where the CPU has AVX-512F: the kernel says which lanes it ran
+    sink = ctypes.c_float()
+    lanes = cpu_gemm.loaded_kernels().fma_peak(cpu_gemm.ISAS["avx512"], 10, ctypes.byref(sink))
+    assert lanes == (16 if cpu_gemm.set_isa("avx512") == "avx512" else 8)
+    cpu_gemm.set_isa(None)
