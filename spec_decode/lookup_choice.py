@@ -40,13 +40,15 @@ def choose_lookup_drafts(costs: Mapping[int, float], pass_rate: float, max_draft
     """
     if 2 not in costs:
         raise ValueError(f"costs must hold the cost of a 2-row block, got rows {sorted(costs)}")
-    best, best_rate = 1, expected_tokens(1, pass_rate) / costs[2]
+    survive, expected = pass_rate, 1.0 + pass_rate   # p^n and E(n), kept as n grows: one pass per step
+    best, best_rate = 1, expected / costs[2]
     for n in range(2, max_drafts + 1):
         if n + 1 not in costs:
             break
-        rate = expected_tokens(n, pass_rate) / costs[n + 1]
-        if rate > best_rate:
-            best, best_rate = n, rate
+        survive *= pass_rate
+        expected += survive
+        if expected / costs[n + 1] > best_rate:
+            best, best_rate = n, expected / costs[n + 1]
     return best
 
 
