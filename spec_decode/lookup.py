@@ -25,12 +25,34 @@ mask and its rejected rows grow with the drafts, and a repeating context would o
 verify every remaining token."""
 
 
-def check_lookup_args(ngram, num_tokens) -> tuple[int, int]:
-    """``(lookup_ngram, lookup_tokens)`` as ints: ngram >= 0 (0: off), num_tokens >= 1; else ValueError naming it."""
+LOOKUP_AUTO = "auto"
+"""The ``lookup_tokens`` value under which each lookup step's draft count is chosen from the verify costs
+measured on this machine and the drafts' pass rate (``spec_decode.lookup_choice``)."""
+
+
+def check_lookup_args(ngram, num_tokens) -> tuple[int, int | str]:
+    """``(lookup_ngram, lookup_tokens)``: ngram an int >= 0 (0: off), num_tokens an int >= 1 or ``"auto"``
+    (``LOOKUP_AUTO``); else ValueError naming it."""
+    if num_tokens == LOOKUP_AUTO and isinstance(num_tokens, str):
+        return check_lookup_args(ngram, 1)[0], num_tokens
     for name, value, low in (("lookup_ngram", ngram, 0), ("lookup_tokens", num_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+            also = f' or "{LOOKUP_AUTO}"' if name == "lookup_tokens" else ""
+            raise ValueError(f"{name} must be an int >= {low}{also}, got {value!r}")
     return ngram, num_tokens
+
+
+def check_lookup_max(max_tokens, num_tokens) -> int | None:
+    """``lookup_max_tokens``: None, or an int >= 1 that caps ``lookup_tokens="auto"`` (and only it); else
+    ValueError naming it."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"lookup_max_tokens must be None or an int >= 1, got {max_tokens!r}")
+    if num_tokens != LOOKUP_AUTO:
+        raise ValueError(f'lookup_max_tokens caps lookup_tokens="{LOOKUP_AUTO}" only; with lookup_tokens='
+                         f"{num_tokens!r} leave it None")
+    return max_tokens
 
 
 class ContextLookup:

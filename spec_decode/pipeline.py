@@ -54,7 +54,8 @@ from spec_decode.depth import DepthController, sampling_regime
 from spec_decode.drafting import DraftTree, Drafter, draft_target_ids
 from spec_decode.dtypes import resolve_device, resolve_dtype
 from spec_decode.faults import FaultPlan
-from spec_decode.lookup import check_lookup_args
+from spec_decode.lookup import MAX_LOOKUP_DRAFTS, check_lookup_args, check_lookup_max
+from spec_decode.lookup_choice import AUTO_MAX_LOOKUP_DRAFTS, LookupAuto
 from spec_decode.models import (Transformer, batch_invariant_blocker, batch_invariant_in_force, ordinary_parameters,
                                 set_batch_invariant)
 from spec_decode.outcome import StepOutcome, finish_step
@@ -119,14 +120,16 @@ class SpecDecoder:
     the phase timer, a no-op by default that ``spec-bench profile`` replaces, and the NaN pass;
     ``generate`` adds the call's fault injection), ``last_stats`` (the last ``generate`` call's ``StepStats``) and
     ``batch_invariant`` (True when the batch-invariant routes are in force for the target and the
-    drafter: a row's bits depend neither on the row count nor on the batch; see ``prepare_models``).
+    drafter: a row's bits depend neither on the row count nor on the batch; see ``prepare_models``), and
+    under ``lookup_tokens="auto"`` ``lookup_auto`` (``lookup_choice.LookupAuto``: the measured costs, also
+    ``lookup_costs``, the pass rates and the last choice; ``lookup_max_tokens`` caps it).
     """
 
     def __init__(self, target: Transformer, drafter: Drafter | None = None, *, method: str = "eagle",
                  num_steps: int | str | None = None, topk: int | None = None, num_draft_tokens: int | None = None,
                  nan_policy=None, draft_sampling: str = "auto", compile: bool = False,
-                 tree_score_temperature: float = 1.0, lookup_ngram: int = 0, lookup_tokens: int = 8,
-                 batch_invariant: bool | None = None):
+                 tree_score_temperature: float = 1.0, lookup_ngram: int = 0, lookup_tokens: int | str = 8,
+                 batch_invariant: bool | None = None, lookup_max_tokens: int | None = None):
         check_method(method, drafter)
         num_steps, topk, num_draft_tokens = default_tree_shape(target.device, num_steps, topk, num_draft_tokens)
         self.auto_depth = num_steps == "auto"
@@ -145,6 +148,8 @@ class SpecDecoder:
         self.tree_score_temperature = check_score_temperature(tree_score_temperature, "tree_score_temperature")
         self.nan_policy = NanPolicy.resolve(nan_policy)
         self.lookup_ngram, self.lookup_tokens = check_lookup_args(lookup_ngram, lookup_tokens)
+        cap = check_lookup_max(lookup_max_tokens, lookup_tokens) or AUTO_MAX_LOOKUP_DRAFTS
+        self.lookup_auto = LookupAuto(min(cap, MAX_LOOKUP_DRAFTS)) if lookup_tokens == "auto" else None
         self.last_stats = StepStats()
         self.hooks = StepHooks()   # see the class docstring
         self.trim_last_steps = True   # see the class docstring
@@ -156,8 +161,8 @@ class SpecDecoder:
                         dtype: torch.dtype | str = torch.bfloat16, device=None, num_steps: int | str | None = None,
                         topk: int | None = None, num_draft_tokens: int | None = None, nan_policy=None,
                         draft_sampling: str = "auto", compile: bool = False, tree_score_temperature: float = 1.0,
-                        lookup_ngram: int = 0, lookup_tokens: int = 8,
-                        batch_invariant: bool | None = None) -> "SpecDecoder":
+                        lookup_ngram: int = 0, lookup_tokens: int | str = 8, batch_invariant: bool | None = None,
+                        lookup_max_tokens: int | None = None) -> "SpecDecoder":
         """Load a HF-layout target and, unless ``method="none"``, the drafter at ``draft_path``.
 
         Both are local checkpoint directories. ``dtype``: the verification (and drafting) dtype, a torch
@@ -177,7 +182,7 @@ class SpecDecoder:
         return cls(target, drafter, method=method, num_steps=num_steps, topk=topk,
                    num_draft_tokens=num_draft_tokens, nan_policy=nan_policy, draft_sampling=draft_sampling,
                    compile=compile, tree_score_temperature=tree_score_temperature, lookup_ngram=lookup_ngram,
-                   lookup_tokens=lookup_tokens, batch_invariant=batch_invariant)
+                   lookup_tokens=lookup_tokens, batch_invariant=batch_invariant, lookup_max_tokens=lookup_max_tokens)
 
     @property
     def phase_timer(self) -> Callable[[str], ContextManager]:
@@ -191,6 +196,12 @@ class SpecDecoder:
         warnings.warn("SpecDecoder.phase_timer is deprecated: set hooks = dataclasses.replace(hooks, timer=...)",
                       DeprecationWarning, stacklevel=2)
         self.hooks = replace(self.hooks, timer=timer)
+
+    @property
+    def lookup_costs(self) -> dict[int, float] | None:
+        """Under ``lookup_tokens="auto"``: ``{rows: c(rows)}``, the verify block costs relative to one row that
+        the choice reads (``verify_cost``), once the first ``generate`` with lookup steps measured them; else None."""
+        return None if self.lookup_auto is None else self.lookup_auto.costs
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -284,6 +295,8 @@ class SpecDecoder:
         seeds = request_seeds(seed, len(req.prompts), coupled=self.draft_sampling == "coupled")
         plan = StepPlan(self.target, self.drafter, self.topk, self.num_draft_tokens, self.tree_score_temperature,
                         self.draft_sampling, self.nan_policy, self._coupled_token_ids)
+        if self.lookup_auto is not None and self.lookup_ngram:
+            self.lookup_auto.calibrate(self.target)   # the first call only (then cached on disk, too)
         self.last_stats = StepStats()
         t0 = time.perf_counter()
         outcome = self._prefill(req, seeds, hooks)
@@ -337,8 +350,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         lookup = self.lookup_drafts(state)
         depth_free = state.depth_free   # the step may finish the batch: ask before it
+        regime = sampling_regime(state.sampling)
         if lookup is None:
-            regime = sampling_regime(state.sampling)
             chosen = 0 if self.method == "none" else self._pick_depth(regime, state)
             depth = self._trimmed(chosen, state)
             # a catch-up longer than one step can emit (the prompt, or a run of plain steps)
@@ -356,18 +369,33 @@ class SpecDecoder:
         if (lookup is None and self.depth_controller is not None and outcome.emitted is not None
                 and depth == chosen and depth_free):
             self.depth_controller.record(depth, elapsed if steady else None, outcome.emitted, regime)
+        if lookup is not None and self.lookup_auto is not None and outcome.emitted is not None:
+            self.lookup_auto.pass_rate.record(regime, depth, outcome.emitted)   # host ints: no sync
         return outcome
 
     # ------------------------------------------------------------------ the step's choices
     def lookup_drafts(self, state: DecodeState) -> DraftTree | None:
         """The next step's lookup drafts (``step.lookup_tree`` under this decoder's lookup settings), or
         None: the step drafts as configured. The loop asks before each step; a subclass may script it."""
-        return lookup_tree(state, self.lookup_ngram, self.lookup_tokens, self.trim_last_steps)
+        return lookup_tree(state, self.lookup_ngram, self._lookup_budget(state), self.trim_last_steps)
+
+    def _lookup_budget(self, state: DecodeState) -> int:
+        """``lookup_tokens``, or under ``"auto"`` the drafts ``lookup_auto`` chooses for the batch's regime."""
+        if self.lookup_auto is None:
+            return self.lookup_tokens
+        if not self.lookup_ngram or not state.depth_free:   # no lookup step: nothing to choose
+            return 0
+        return self.lookup_auto.choose(sampling_regime(state.sampling))
 
     def _max_len(self, req: Requests) -> int:
         extra = max(self.num_draft_tokens, (self.max_steps - 1) * self.topk,
-                    req.lookup_budget(self.lookup_tokens) + 1 if self.lookup_ngram else 0) + 2
+                    req.lookup_budget(self.lookup_max_drafts) + 1 if self.lookup_ngram else 0) + 2
         return max(len(p) for p in req.prompts) + max(req.max_new) + extra
+
+    @property
+    def lookup_max_drafts(self) -> int:
+        """The most drafts a lookup step may verify: ``lookup_tokens``, or under ``"auto"`` its cap."""
+        return self.lookup_tokens if self.lookup_auto is None else self.lookup_auto.max_drafts
 
     def _trimmed(self, depth: int, state: DecodeState) -> int:
         """``depth``, or less at a greedy batch's end (``trim_last_steps``): a step emits its accepted

@@ -41,7 +41,8 @@ class MethodSpec:
     (None: the library's default, 1.0). ``lookup_ngram``: ``SpecDecoder(lookup_ngram=...)`` (None: off),
     greedy steps that verify drafts copied from the request's context where its last n-gram occurred
     before (``spec_decode.lookup``); ``lookup_tokens``: ``SpecDecoder(lookup_tokens=...)``, the most drafts
-    such a step verifies (None: the library's default). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)``
+    such a step verifies, or ``"auto"`` (None: the library's default); ``lookup_max_tokens``:
+    ``SpecDecoder(lookup_max_tokens=...)``, the cap of ``"auto"``'s choice (None: the library's). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)``
     (None: the library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
     ``prompt_lookup_tokens``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF's prompt lookup).
     """
@@ -55,7 +56,8 @@ class MethodSpec:
     num_draft_tokens: int | None = None
     score_temperature: float | None = None
     lookup_ngram: int | None = None
-    lookup_tokens: int | None = None
+    lookup_tokens: int | str | None = None
+    lookup_max_tokens: int | None = None
     draft_sampling: str | None = None
     prompt_lookup_tokens: int | None = None
 
@@ -69,10 +71,11 @@ class MethodSpec:
 
 
 LOOKUP_TOKENS = 11
-"""``eagle3_lookup``'s ``lookup_tokens``: a step verifies the root and 11 drafts, 12 rows, one row block
-of the AVX-512 projection kernel (``spec_decode/cpu/cpu_gemm.c``); a lookup step that verifies its
-drafts accepts most of them, so a longer one pays where the block costs little more. ``lookup`` alone
-keeps the library's 8: 11 measured no faster there (docs/performance.md)."""
+"""The most drafts an ``eagle3_lookup`` step verifies (``lookup_max_tokens``): its ``lookup_tokens="auto"``
+chooses each step's count up to it from the verify costs measured on the machine that runs it
+(``spec_decode.lookup_choice``), so a CPU whose projection kernel takes a smaller row block than the
+cap's never pays a block that costs more than the drafts it accepts. ``lookup`` alone keeps the
+library's fixed 8 (docs/performance.md)."""
 
 # The tree `spec-bench tune` picks on CPU: 4/2/8 with its candidates scored at temperature 0.5 (the run
 # and its figures: docs/results/, "trees scored at a temperature")
@@ -94,9 +97,9 @@ METHOD_SPECS = {
     # the EAGLE-3 chain, alone and with lookup steps (as eagle_lookup): the real model's heads run them, in
     # the shape `spec-bench tune` picked for the SmolLM2 head on CPU (docs/performance.md)
     "eagle3_chain": MethodSpec("eagle3_chain", "ours", "eagle3", "eagle3", 3, 1, 4),
-    # Lookup steps verify up to LOOKUP_TOKENS drafts (docs/performance.md has the side-by-side)
+    # Lookup steps verify the drafts the measured verify costs pay for, up to LOOKUP_TOKENS
     "eagle3_lookup": MethodSpec("eagle3_lookup", "ours", "eagle3", "eagle3", 3, 1, 4, lookup_ngram=3,
-                                lookup_tokens=LOOKUP_TOKENS),
+                                lookup_tokens="auto", lookup_max_tokens=LOOKUP_TOKENS),
     # prompt lookup alone (no drafter): greedy steps verify up to 8 tokens (the library's default) copied
     # from where the last 3 tokens occurred before in the context; sampled requests decode one token a step
     "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),

@@ -181,7 +181,8 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
     """All methods at every temperature in one dtype, then the NaN-policy stage, into ``sink.part``.
 
     ``sink.save()`` runs after each stage, so that a failing later stage loses nothing measured.
-    ``config.method_configs`` gets each decoder's settings as it reads them (``num_steps``, ``draft_sampling``).
+    ``config.method_configs`` gets each decoder's settings as it reads them (``num_steps``, ``draft_sampling``),
+    and a method under ``lookup_tokens="auto"`` its measured verify costs (``methods[key]["lookup_costs"]``).
     """
     part, bar = sink.part, sink.bar
     models = ModelCache(cfg, dtype_name, device)
@@ -214,6 +215,10 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
         by_temp[temp_key(temp)] = _summarize(keys, calls, temp, weights, runtime_mem)
 
     part.update({"dtype": dtype_name, "methods": _assemble(cfg, keys, by_temp)})
+    for k in keys:   # lookup_tokens="auto": the costs measured at its first call, which its choices read
+        costs = runners[k].lookup_costs()
+        if costs is not None:
+            part["methods"][k]["lookup_costs"] = costs
     sink.save()
     part.update(nan_policy_stage(cfg, models, batches, device, bar) if _nan_stage_runs(cfg)
                 else {"nan_policy_overhead_pct": {m: None for m in NAN_MODES if m != "off"},

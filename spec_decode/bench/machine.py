@@ -13,6 +13,7 @@ from importlib import metadata
 import torch
 
 from spec_decode.cpu import routes_summary
+from spec_decode.verify_cost import synchronize as sync   # the bench's name for it
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MB = 1 << 20
@@ -81,12 +82,6 @@ def torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so that wall-clock intervals cover it (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def rss_bytes() -> int:

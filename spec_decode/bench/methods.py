@@ -62,7 +62,15 @@ class OursRunner:
                 d["max_steps"] = self.decoder.max_steps
             if self.decoder.lookup_ngram:
                 d["lookup_tokens"] = self.decoder.lookup_tokens
+                if self.decoder.lookup_auto is not None:
+                    d["lookup_max_tokens"] = self.decoder.lookup_max_drafts
         return d
+
+    def lookup_costs(self) -> dict[str, float] | None:
+        """Under ``lookup_tokens="auto"``, once a call ran: the verify costs its choice read (rows -> cost
+        relative to one row, ``SpecDecoder.lookup_costs``); else None."""
+        costs = self.decoder.lookup_costs
+        return None if costs is None else {str(n): c for n, c in costs.items()}
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         with Stopwatch(self.decoder.target.device) as sw:
@@ -86,6 +94,10 @@ class HFRunner:
 
     def describe(self) -> dict:
         return self.spec.describe()
+
+    def lookup_costs(self) -> None:
+        """None: HF's prompt lookup measures no verify costs (``OursRunner.lookup_costs``)."""
+        return None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         out = CallResult()
@@ -158,6 +170,8 @@ class ModelCache:
             tree["lookup_ngram"] = spec.lookup_ngram
         if spec.lookup_tokens is not None:
             tree["lookup_tokens"] = spec.lookup_tokens
+        if spec.lookup_max_tokens is not None:
+            tree["lookup_max_tokens"] = spec.lookup_max_tokens
         if spec.draft_sampling is not None:
             tree["draft_sampling"] = spec.draft_sampling
         dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)

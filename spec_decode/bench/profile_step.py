@@ -40,6 +40,7 @@ from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_dtype_a
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, METHOD_SPECS, BenchConfig, BenchInputError,
                                       check_room, default_dtype_name, load_prompts)
 from spec_decode.bench.machine import sync, torch_threads
+from spec_decode.verify_cost import time_verify_blocks
 
 UNACCOUNTED = "unaccounted"
 
@@ -355,26 +356,19 @@ def verify_cost(target, prompts: list[list[int]], block_tokens: int, repeats: in
     """What one ``block_tokens``-token verify forward costs in one-token steps: the regime a drafter
     must exploit (a weight-bound model verifies a block for about the price of one token).
 
-    Per prompt: the prompt is prefilled and committed, then a 1-token and a ``block_tokens``-token forward
-    at the next position alternate ``repeats`` times (a forward writes its rows but commits none, so each
-    call does the same work). Returns the median 1-token ms, the median block ms and their ratio.
+    Per prompt, ``verify_cost.time_verify_blocks`` (the library's calibration of ``lookup_tokens="auto"``
+    times blocks the same way): the prompt prefilled and committed, then a 1-token and a
+    ``block_tokens``-token forward at the next position alternate ``repeats`` times. Returns the median
+    1-token ms, the median block ms and their ratio.
     """
     one, block = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            cache = target.new_cache(1, len(prompt) + block_tokens)
-            target(torch.tensor([prompt]), cache, return_logits=False)
-            cache.commit(torch.tensor([len(prompt)]))
-            ids = torch.tensor([(prompt * block_tokens)[:block_tokens]])
-            for _ in range(repeats):
-                for n, times in ((1, one), (block_tokens, block)):
-                    start = time.perf_counter()
-                    target(ids[:, :n], cache)
-                    sync(target.device)
-                    times.append(time.perf_counter() - start)
+    for prompt in prompts:
+        times = time_verify_blocks(target, prompt, (1, block_tokens), repeats)
+        one += times[1]
+        block += times[block_tokens]
     one_ms, block_ms = statistics.median(one) * 1e3, statistics.median(block) * 1e3
     return {"block_tokens": block_tokens, "one_token_ms": one_ms, "block_ms": block_ms,
-            "block_ar_steps": block_ms / one_ms, "calls": len(one) + len(block)}
+            "block_ar_steps": block_ms / one_ms, "calls": 2 * repeats * len(prompts)}
 
 
 def build_parser() -> argparse.ArgumentParser:

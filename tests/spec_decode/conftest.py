@@ -142,3 +142,29 @@ def triton_kernel_module():
         return module
 
     return load
+
+
+AVX2_LIKE = lambda n: 1.0 if n <= 6 else 2.2   # noqa: E731  a block past the AVX2 kernel's rows costs two steps and more
+FLAT = lambda n: 1.0 + 0.01 * (n - 1)          # noqa: E731  AVX-512-like: one row block up to the cap
+
+
+@pytest.fixture
+def verify_cost_curve(monkeypatch, tmp_path):
+    """``install(curve)``: ``spec_decode.verify_cost.time_verify_blocks`` replaced by a stand-in whose block of
+    ``n`` rows takes ``curve(n)`` seconds (``AVX2_LIKE``, ``FLAT`` or any function), with safespec's cache in
+    ``tmp_path``; returns the list of the calls' row lists (one per timing pass)."""
+    from spec_decode import disk_cache, verify_cost
+
+    monkeypatch.setenv(disk_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(verify_cost.REMEASURE_ENV, raising=False)
+    calls = []
+
+    def install(curve):
+        def fake(target, context, rows, repeats):
+            rows = sorted(set(rows))
+            calls.append(rows)
+            return {n: [curve(n)] * repeats for n in rows}
+        monkeypatch.setattr(verify_cost, "time_verify_blocks", fake)
+        return calls
+
+    return install

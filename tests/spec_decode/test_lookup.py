@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from spec_decode.lookup import ContextLookup, check_lookup_args
+from spec_decode.lookup import ContextLookup, check_lookup_args, check_lookup_max
 
 
 def brute_drafts(ctx: list[int], n: int, k: int) -> list[int]:
@@ -84,8 +84,17 @@ def test_ngram_must_be_a_positive_int(bad):
 
 @pytest.mark.parametrize("ngram, tokens, name", [(-1, 8, "lookup_ngram"), (True, 8, "lookup_ngram"),
                                                   (1.5, 8, "lookup_ngram"), (3, 0, "lookup_tokens"),
-                                                  (3, False, "lookup_tokens"), (3, "8", "lookup_tokens")])
+                                                  (3, False, "lookup_tokens"), (3, "8", "lookup_tokens"),
+                                                  (3, "bogus", "lookup_tokens"), (-1, "auto", "lookup_ngram")])
 def test_check_lookup_args_names_the_bad_argument(ngram, tokens, name):
     with pytest.raises(ValueError, match=name):
         check_lookup_args(ngram, tokens)
     assert check_lookup_args(0, 1) == (0, 1)
+    assert check_lookup_args(3, "auto") == (3, "auto")
+
+
+def test_check_lookup_max_caps_auto_only():
+    assert check_lookup_max(None, 8) is None and check_lookup_max(11, "auto") == 11
+    for bad, tokens in ((0, "auto"), (True, "auto"), (2.0, "auto"), (11, 8)):
+        with pytest.raises(ValueError, match="lookup_max_tokens"):
+            check_lookup_max(bad, tokens)

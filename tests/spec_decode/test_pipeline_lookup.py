@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import AVX2_LIKE, FLAT
 from spec_decode import NanFault, SpecDecoder, Transformer
 from spec_decode.fixtures import TARGET_SUBDIR, find_fixtures_dir
 from spec_decode.lookup import ContextLookup
@@ -190,3 +191,94 @@ def test_a_lookup_step_verifies_a_bounded_number_of_drafts(target):
     assert got == want
     depths = [d for d, was in zip(lookup.last_stats.depths, lookup.last_stats.lookup) if was]
     assert depths and max(depths) <= MAX_LOOKUP_DRAFTS
+
+
+# ---------------------------------------------------------------- lookup_tokens="auto"
+@needs_fixtures
+@pytest.mark.parametrize("curve, fits", [(AVX2_LIKE, lambda most: most <= 5), (FLAT, lambda most: most > 5)],
+                         ids=["avx2-like", "flat"])
+def test_auto_gives_plain_greedy_output_in_blocks_the_costs_pay_for(target, verify_cost_curve, curve, fits):
+    """A looping output: most lookup drafts pass. Where a block past 6 rows costs two plain steps the
+    steps verify at most 5 drafts; where the cost is nearly flat up to the cap, they verify more."""
+    calls = verify_cost_curve(curve)
+    plain = SpecDecoder(target, None, method="none")
+    auto = SpecDecoder(target, None, method="none", lookup_ngram=1, lookup_tokens="auto", lookup_max_tokens=11)
+    assert auto.lookup_costs is None and not calls   # nothing measured at construction
+    prompt = [5, 9, 14] * 4
+    for _ in range(2):
+        want = plain.generate([prompt], max_new_tokens=48, ignore_eos=True)[0].token_ids
+        assert auto.generate([prompt], max_new_tokens=48, ignore_eos=True)[0].token_ids == want
+    assert len(calls) == 2   # one calibration (its warm-up and timed passes) for both calls
+    assert auto.lookup_costs == {n: curve(n) / curve(1) for n in range(1, 13)}
+    depths = [d for d, was in zip(auto.last_stats.depths, auto.last_stats.lookup) if was]
+    assert depths and fits(max(depths)) and 1 <= auto.lookup_auto.last_drafts <= 11
+
+
+@pytest.mark.parametrize("pattern", ["always", "alternate"])
+def test_auto_is_lossless_with_one_host_read_per_step(random_models, ar, verify_cost_curve, host_reads, pattern):
+    verify_cost_curve(AVX2_LIKE)
+    dec = decoder(random_models, "eagle", ScriptedLookup, lookup_ngram=1, lookup_tokens="auto",
+                  pattern=PATTERNS[pattern])
+    assert [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=MAX_NEW)] == ar   # calibrates
+    host_reads.clear()
+    assert [r.token_ids for r in dec.generate(PROMPTS, max_new_tokens=MAX_NEW)] == ar
+    stats = dec.last_stats
+    assert any(stats.lookup) and stats.host_copies == len(stats.step_s) + 1
+    assert host_reads == ["tolist"] * stats.host_copies   # the pass rate reads only the step's host copy
+    assert sum(dec.lookup_auto.pass_rate.tries.values()) > 0
+
+
+def test_auto_leaves_coupled_sampled_output_exact(random_models, verify_cost_curve):
+    """Coupled sampling: a sampled request's tokens are a function of its seed and position, whatever the
+    drafts; lookup steps serve it, in the blocks the choice gives (a flat curve: the cap)."""
+    verify_cost_curve(FLAT)
+    prompts, kw = [[7, 7, 7, 7], [1, 2, 1, 2, 1, 2]], dict(temperature=0.3, min_p=0.2, seed=[11, 12], ignore_eos=True)
+    want = SpecDecoder(random_models["target"], None, method="none", draft_sampling="coupled").generate(
+        prompts, max_new_tokens=MAX_NEW, **kw)
+    dec = SpecDecoder(random_models["target"], None, method="none", draft_sampling="coupled", lookup_ngram=1,
+                      lookup_tokens="auto")
+    got = dec.generate(prompts, max_new_tokens=MAX_NEW, **kw)
+    assert any(dec.last_stats.lookup) and dec.lookup_auto.pass_rate.tries.get("sampled")
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+@pytest.mark.parametrize("temperature", [1.0, [0.0, 1.0]], ids=["sampled", "mixed"])
+def test_auto_takes_no_lookup_step_for_rejection_sampled_batches(random_models, verify_cost_curve, temperature):
+    verify_cost_curve(FLAT)
+    dec = decoder(random_models, "eagle", lookup_ngram=1, lookup_tokens="auto")
+    got = dec.generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature, seed=[1, 2])
+    assert not any(dec.last_stats.lookup) and not dec.lookup_auto.pass_rate.tries
+    plain = decoder(random_models, "eagle").generate(PROMPTS[:2], max_new_tokens=MAX_NEW, temperature=temperature,
+                                                     seed=[1, 2])
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+
+
+def test_auto_without_lookup_steps_measures_nothing(random_models, verify_cost_curve):
+    calls = verify_cost_curve(FLAT)
+    dec = decoder(random_models, "eagle", lookup_tokens="auto")   # lookup_ngram=0: off
+    dec.generate(PROMPTS[:1], max_new_tokens=4)
+    assert not calls and dec.lookup_costs is None
+    assert decoder(random_models, "eagle", lookup_ngram=1).lookup_costs is None   # a fixed lookup_tokens
+
+
+@pytest.mark.parametrize("kw, name", [(dict(lookup_tokens="bogus"), "lookup_tokens"),
+                                      (dict(lookup_tokens="AUTO"), "lookup_tokens"),
+                                      (dict(lookup_tokens=0), "lookup_tokens"),
+                                      (dict(lookup_tokens="auto", lookup_max_tokens=0), "lookup_max_tokens"),
+                                      (dict(lookup_tokens="auto", lookup_max_tokens="8"), "lookup_max_tokens"),
+                                      (dict(lookup_tokens=8, lookup_max_tokens=8), "lookup_max_tokens")])
+def test_bad_auto_arguments_are_named(random_models, kw, name):
+    with pytest.raises(ValueError, match=name):
+        decoder(random_models, "eagle", lookup_ngram=1, **kw)
+
+
+def test_auto_caps_at_the_library_default_or_lookup_max_tokens(random_models, safespec_tiny_target_path):
+    from spec_decode.lookup import MAX_LOOKUP_DRAFTS
+    from spec_decode.lookup_choice import AUTO_MAX_LOOKUP_DRAFTS
+
+    assert decoder(random_models, "eagle", lookup_tokens="auto").lookup_max_drafts == AUTO_MAX_LOOKUP_DRAFTS
+    assert decoder(random_models, "eagle", lookup_tokens="auto", lookup_max_tokens=10**6).lookup_max_drafts == \
+        MAX_LOOKUP_DRAFTS
+    dec = SpecDecoder.from_pretrained(safespec_tiny_target_path, method="none", dtype=torch.float32, lookup_ngram=3,
+                                      lookup_tokens="auto", lookup_max_tokens=6)
+    assert (dec.lookup_tokens, dec.lookup_max_drafts) == ("auto", 6)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from spec_decode.bench import main
-from spec_decode.bench.config import METHOD_KEYS, NAN_MODES
+from spec_decode.bench.config import LOOKUP_TOKENS, METHOD_KEYS, NAN_MODES
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import invariance_line, markdown_table
 from spec_decode.cpu import cpu_kind
@@ -96,6 +96,13 @@ def test_results_json_follows_the_contract(bench_run):
     assert configs["eagle_lookup"] == {"engine": "ours", "method": "eagle", "drafter": "eagle", "num_steps": 5, "topk": 1,
                                        "num_draft_tokens": 6, "lookup_ngram": 3, "lookup_tokens": 8,
                                        "draft_sampling": "auto", "batch_invariant": True}
+    # eagle3_lookup: each lookup step's drafts chosen from the verify costs measured here, up to LOOKUP_TOKENS
+    assert configs["eagle3_lookup"]["lookup_tokens"] == "auto"
+    assert configs["eagle3_lookup"]["lookup_max_tokens"] == LOOKUP_TOKENS
+    costs = r["methods"]["eagle3_lookup"]["lookup_costs"]
+    assert list(costs) == [str(n) for n in range(1, LOOKUP_TOKENS + 2)] and costs["1"] == 1.0
+    assert all(_is_num(c) and c > 0 for c in costs.values())
+    assert "lookup_costs" not in r["methods"]["eagle_lookup"]   # a fixed lookup_tokens measures nothing
     for key in ("ar", "hf_generate", "hf_assisted"):
         assert "draft_sampling" not in configs[key], key
     assert configs["ar"]["batch_invariant"] is True and "batch_invariant" not in configs["hf_generate"]
@@ -781,8 +788,8 @@ def test_tune_shapes_carry_a_tree_score_temperature(fake_fixtures, tmp_path):
     assert models.runner(plain).decoder.tree_score_temperature == 1.0
 
 
-def test_eagle3_lookup_verifies_up_to_lookup_tokens_drafts(fake_fixtures, tmp_path):
-    from spec_decode.bench.config import LOOKUP_TOKENS, METHOD_SPECS, BenchConfig
+def test_eagle3_lookup_chooses_its_drafts_up_to_lookup_tokens(fake_fixtures, tmp_path):
+    from spec_decode.bench.config import METHOD_SPECS, BenchConfig
     from spec_decode.bench.methods import ModelCache
 
     m = fake_fixtures / "models"
@@ -790,7 +797,9 @@ def test_eagle3_lookup_verifies_up_to_lookup_tokens_drafts(fake_fixtures, tmp_pa
                       eagle3=m / "tiny-eagle3", prompts=fake_fixtures / "prompts.jsonl", out=tmp_path, num_prompts=2)
     models = ModelCache(cfg, "fp32", torch.device("cpu"))
     for key in ("eagle3_lookup", "eagle3_lookup_coupled"):
-        assert models.runner(METHOD_SPECS[key]).decoder.lookup_tokens == LOOKUP_TOKENS, key
+        runner = models.runner(METHOD_SPECS[key])
+        assert (runner.decoder.lookup_tokens, runner.decoder.lookup_max_drafts) == ("auto", LOOKUP_TOKENS), key
+        assert runner.describe()["lookup_max_tokens"] == LOOKUP_TOKENS and runner.lookup_costs() is None, key
     for key in ("lookup", "lookup_coupled", "eagle_lookup"):   # the library's default
         assert models.runner(METHOD_SPECS[key]).decoder.lookup_tokens == 8, key
 
