@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows of the per-forward kernel part (default 1,4,6,12)")
     p.add_argument("--kernel-repeats", type=positive_int, default=20,
                    help="passes over the forward's projections per figure (median; default 20)")
+    p.add_argument("--kernel-only", action="store_true",
+                   help="only the per-forward kernel part: the target alone, no drafter loaded")
     p.add_argument("--isa", type=csv_list(str), default=None,
                    help="paths of the per-forward kernel part, comma list of avx2,avx512 (default: every path "
                         "this CPU runs; avx2 alone forces the AVX2 path on an AVX-512 CPU)")
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from spec_decode.cpu import cpu_gemm
     from spec_decode.bench.compile_ab import checked_prompts, measure
+    from spec_decode.bench.harness import check_models
     from spec_decode.dtypes import torch_dtype
 
     p = build_parser()
@@ -195,15 +198,24 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--isa {','.join(bad)}: not a kernel path; choose from {','.join(cpu_gemm.ISAS)}")
     try:   # the end-to-end part warms up on the prompt after the measured ones
-        prompts = checked_prompts(args, extra=1)
+        if args.kernel_only:
+            check_models(args.target, {})
+        else:
+            prompts = checked_prompts(args, extra=1)
     except BenchInputError as e:
         p.error(str(e))
     if not cpu_gemm.available():
         print("the panel kernel is not available on this machine (see spec_decode.cpu.cpu_gemm)")
         return 1
-    decs = decoders(args.target, args.eagle, dtype)   # outside inference_mode: its weights are never packed
+    from spec_decode.models import Transformer
+
+    target = Transformer.from_pretrained(args.target, dtype=torch.float32)   # its weights, packed per panel dtype
     with torch_threads(1), torch.inference_mode():
-        print_kernel_report(kernel_report(decs["ar on"].target, isas, args.kernel_rows, args.kernel_repeats))
+        print_kernel_report(kernel_report(target, isas, args.kernel_rows, args.kernel_repeats))
+    del target
+    if args.kernel_only:
+        return 0
+    decs = decoders(args.target, args.eagle, dtype)   # outside inference_mode: its weights are never packed
     shapes = projection_shapes(decs["eagle_chain on"].target, decs["eagle_chain on"].drafter)
     with torch_threads(1), torch.inference_mode():
         rows = time_projections(shapes, args.rows, args.repeats)

@@ -697,6 +697,15 @@ def test_gemm_reports_the_kernels_gflops_per_forward_against_the_fma_peak(fake_f
     assert re.search(r"avx2 FMA peak, one core, measured: \d+\.\d GFLOP/s", out)
 
 
+def test_gemm_kernel_only_loads_no_drafter(fake_fixtures, capsys):
+    """--kernel-only needs no head that fits the target (the real model has no EAGLE-1 head)."""
+    out = _run_gemm(fake_fixtures, capsys, "--eagle", str(fake_fixtures / "models" / "tiny-draft"),   # no EAGLE head
+                    "--kernel-only", "--kernel-rows", "2", "--kernel-repeats", "1", "--isa", "avx2")
+    if out is None:
+        return
+    assert "FMA peak" in out and "F.linear" not in out and "end to end" not in out
+
+
 def test_kernel_throughput_counts_the_forwards_flops_and_weight_bytes(monkeypatch):
     from spec_decode.bench import gemm
     from spec_decode.cpu import cpu_gemm
