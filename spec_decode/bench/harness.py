@@ -166,8 +166,6 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
     d["notes"] = [
         f"batch_size={cfg.batch_size} prompts per generate call for our methods (1 = latency setting); "
         "HF and llama.cpp methods always run one prompt per call (assisted generation supports batch 1 only).",
-        "llama_cpp methods: llama.cpp on the target's GGUF file (its quantized weights, its kernels and sampler), "
-        "the anchor column; not exact-equivalent to ar.",
         "EOS stopping is disabled for every method (ignore_eos): each prompt gets exactly max_new_tokens tokens.",
         "tokens_per_s = generated tokens / summed wall time of generate calls (prefill included), "
         "after one warm-up call per method and temperature on a prompt outside the measured set.",
@@ -178,6 +176,9 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
         "nan_policy_overhead_pct: EAGLE tree (5/4/8), greedy; median of paired step-time differences "
         "(mode minus off, same prompt, same step) over the median off step, in percent.",
     ]
+    if any(METHOD_SPECS[k].engine == "llama_cpp" for k in cfg.methods):
+        d["notes"].append("llama_cpp methods: llama.cpp on the target's GGUF file (its quantized weights, its "
+                          "kernels and sampler), the anchor column; not exact-equivalent to ar.")
     return d
 
 
