@@ -141,6 +141,17 @@ def source_marker(source: Path) -> dict:
             "safespec": __version__}
 
 
+def entry_source(folder: Path) -> Path | None:
+    """The source an entry was converted from (its marker's ``source``); None where ``folder`` has no
+    readable marker (not an entry)."""
+    try:
+        with open(folder / MARKER_NAME, encoding="utf-8") as f:
+            source = json.load(f).get("source")
+    except (OSError, ValueError, AttributeError):   # no marker, not JSON, not an object
+        return None
+    return Path(source) if isinstance(source, str) else None
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -31,11 +31,13 @@ subcommands and ``cli`` can all import it without importing one another.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 
-from spec_decode.bench.config import BENCH_DTYPES, default_fixtures_dir
+from spec_decode.bench.config import ANCHOR_METHODS, BENCH_DTYPES, BenchInputError, default_fixtures_dir
 from spec_decode.seeds import SEED_LIMIT
 from spec_decode.fixtures import DRAFT_SUBDIR, EAGLE3_SUBDIR, EAGLE_SUBDIR, PROMPTS_FILE, TARGET_SUBDIR
 
@@ -302,3 +304,37 @@ def missing_bench_extra(modules=BENCH_EXTRA_MODULES) -> str | None:
         return None
     return (f"spec-bench: error: {', '.join(missing)} not installed: spec-bench needs the bench extra "
             '(pip install "safespec[bench]")')
+
+
+# ---------------------------------------------------------------------- the anchor (llama.cpp)
+LLAMA_CPP_MODULE = "llama_cpp"
+ANCHOR_INSTALL = "pip install '.[anchor]' (or pip install llama-cpp-python)"
+ANCHOR_SKIPPED = f"anchor ({','.join(ANCHOR_METHODS)}) skipped: llama-cpp-python is not installed; {ANCHOR_INSTALL}"
+"""The one line a suite's results carry when the anchor's package is absent."""
+
+
+def llama_cpp_installed() -> bool:
+    """Whether ``llama_cpp`` can be imported (found without importing it: it loads a shared library)."""
+    try:
+        return importlib.util.find_spec(LLAMA_CPP_MODULE) is not None
+    except ValueError:   # in sys.modules without a __spec__ (a stand-in module)
+        return sys.modules.get(LLAMA_CPP_MODULE) is not None
+
+
+def check_anchor_installed(methods) -> None:
+    """BenchInputError naming ``--methods`` and the package when ``methods`` asks for an anchor method and
+    ``llama-cpp-python`` is not installed."""
+    asked = [k for k in methods if k in ANCHOR_METHODS]
+    if asked and not llama_cpp_installed():
+        raise BenchInputError(f"--methods: {','.join(asked)} need llama-cpp-python, which is not installed: "
+                              f"{ANCHOR_INSTALL}")
+
+
+def target_gguf(target) -> Path | None:
+    """The GGUF file the checkpoint directory ``target`` was converted from (its cache marker's source),
+    or None for a checkpoint that was not (any other directory)."""
+    from spec_decode.disk_cache import entry_source
+    from spec_decode.models.gguf import is_gguf_file
+
+    source = entry_source(Path(target))
+    return source if source is not None and is_gguf_file(source) else None

@@ -19,8 +19,10 @@ DEFAULT_METHODS = ("ar", "hf_generate", "hf_assisted", "draft_chain", "eagle_cha
 EXTRA_COUPLED_TWINS = ("lookup", "eagle3_chain", "eagle3_lookup")
 """The real model's methods that also run as ``KEY_coupled`` (outside ``spec-bench``'s default set): under
 coupled sampling a sampled request's tokens do not depend on its drafts, so lookup steps serve it too."""
+ANCHOR_METHODS = ("llama_cpp", "llama_cpp_lookup")
+"""llama.cpp on the GGUF file the target was converted from (``spec_decode.bench.anchor``): the anchor column."""
 METHOD_KEYS = DEFAULT_METHODS + ("lookup", "hf_lookup", "eagle3_chain", "eagle3_lookup") + tuple(
-    f"{k}_coupled" for k in EXTRA_COUPLED_TWINS)
+    f"{k}_coupled" for k in EXTRA_COUPLED_TWINS) + ANCHOR_METHODS
 BENCH_DTYPES = ("fp32", "bf16")
 """The dtypes the bench measures, of ``dtype_names.DTYPE_NAMES`` (fp16 runs in the tests and
 ``tools/smollm2_fp16.py``, not in the bench)."""
@@ -33,7 +35,8 @@ DEFAULT_MAX_NEW_TOKENS = 64
 class MethodSpec:
     """How one method key runs.
 
-    ``engine`` is ``"ours"`` (``SpecDecoder``) or ``"hf"`` (``transformers`` ``generate``);
+    ``engine`` is ``"ours"`` (``SpecDecoder``), ``"hf"`` (``transformers`` ``generate``) or ``"llama_cpp"``
+    (``llama-cpp-python``'s ``Llama.generate`` on the target's GGUF file, ``spec_decode.bench.anchor``);
     ``method`` is the ``SpecDecoder`` method; ``drafter`` names the checkpoint it needs
     (``"draft_lm"``, ``"eagle"``, ``"eagle3"`` or None). A chain is ``topk=1`` with
     ``num_draft_tokens = num_steps + 1`` (root included); ``num_steps="auto"`` lets the decoder
@@ -44,7 +47,8 @@ class MethodSpec:
     such a step verifies, or ``"auto"`` (None: the library's default); ``lookup_max_tokens``:
     ``SpecDecoder(lookup_max_tokens=...)``, the cap of ``"auto"``'s choice (None: the library's). ``draft_sampling``: ``SpecDecoder(draft_sampling=...)``
     (None: the library's default); the ``_coupled`` twins set ``"coupled"``, which changes nothing at temperature 0.
-    ``prompt_lookup_tokens``: HF ``generate(prompt_lookup_num_tokens=...)`` (HF's prompt lookup).
+    ``prompt_lookup_tokens``: the drafts a step of another engine's prompt lookup proposes: HF
+    ``generate(prompt_lookup_num_tokens=...)``, llama.cpp ``LlamaPromptLookupDecoding(num_pred_tokens=...)``.
     """
 
     key: str
@@ -105,6 +109,11 @@ METHOD_SPECS = {
     "lookup": MethodSpec("lookup", "ours", "none", lookup_ngram=3),
     # HF's prompt lookup with the value its docs show (10 candidate tokens); it samples too
     "hf_lookup": MethodSpec("hf_lookup", "hf", prompt_lookup_tokens=10),
+    # llama.cpp on the same GGUF file: plain decoding, and its prompt lookup with num_pred_tokens=10,
+    # LlamaPromptLookupDecoding's default (llama-cpp-python's README suggests 2 on CPU-only machines; the
+    # default keeps it beside hf_lookup's 10)
+    "llama_cpp": MethodSpec("llama_cpp", "llama_cpp"),
+    "llama_cpp_lookup": MethodSpec("llama_cpp_lookup", "llama_cpp", prompt_lookup_tokens=10),
 }
 METHOD_SPECS.update({f"{k}_coupled": replace(METHOD_SPECS[k], key=f"{k}_coupled", draft_sampling="coupled")
                      for k in COUPLED_TWINS + EXTRA_COUPLED_TWINS})
@@ -213,6 +222,7 @@ class BenchConfig:
     nan_rounds: int = 3
     progress: bool = True
     compile: bool = False   # SpecDecoder(compile=True) for every method of ours, ar included
+    gguf: Path | None = None   # the GGUF file the anchor methods run (the target's source), None: they are skipped
     skipped: dict = field(default_factory=dict)   # method key -> reason, filled by ``resolve_methods``
 
     def __post_init__(self) -> None:
@@ -251,9 +261,13 @@ class BenchConfig:
             raise ValueError(f"--num-prompts {self.num_prompts} exceeds the {available} prompts in {self.prompts}")
 
     def resolve_methods(self) -> tuple[str, ...]:
-        """Drop methods whose drafter checkpoint is absent, recording why in ``skipped``."""
+        """Drop methods whose drafter checkpoint is absent, or (the anchor's) whose GGUF file is unknown,
+        recording why in ``skipped``."""
         kept = []
         for key in self.methods:
+            if METHOD_SPECS[key].engine == "llama_cpp" and self.gguf is None:
+                self.skipped[key] = "no GGUF file: llama.cpp runs the .gguf file given as --target"
+                continue
             need = METHOD_SPECS[key].drafter
             path = self.drafter_path(need) if need else None
             if need and (path is None or not Path(path).is_dir()):

@@ -29,7 +29,7 @@ import torch
 
 from spec_decode.bench.config import (DRAFTER_OPTIONS, METHOD_SPECS, NAN_MODES, BenchConfig, BenchInputError,
                                       check_checkpoint_dir, check_out_dir, check_room, fit_seed, load_prompts)
-from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync, weight_bytes
+from spec_decode.bench.machine import MB, PeakMemory, machine_info, sync
 from spec_decode.bench.methods import DRAFTER_METHODS, ModelCache, checked_load
 
 CONTRACT_KEYS = ("tokens_per_s", "speedup_vs_ar", "speedup_vs_hf_generate", "mean_accepted_length",
@@ -106,6 +106,8 @@ def check_inputs(cfg: BenchConfig, keys, first: int = 0) -> int:
     """
     drafters = {METHOD_SPECS[k].drafter for k in keys} | ({"eagle"} if _nan_stage_runs(cfg) else set())
     config = check_models(cfg.target, {name: cfg.drafter_path(name) for name in sorted(drafters - {None})})
+    if any(METHOD_SPECS[k].engine == "llama_cpp" for k in keys) and not Path(cfg.gguf).is_file():
+        raise BenchInputError(f"--target: llama.cpp's methods run the target's GGUF file, {cfg.gguf}: no such file")
     prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, config.vocab_size, first=first)
     check_room(cfg.max_new_tokens, config.max_position_embeddings, prompts)
     return config.vocab_size
@@ -163,7 +165,7 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
     d["ignore_eos"] = True
     d["notes"] = [
         f"batch_size={cfg.batch_size} prompts per generate call for our methods (1 = latency setting); "
-        "HF methods always run one prompt per call (assisted generation supports batch 1 only).",
+        "HF and llama.cpp methods always run one prompt per call (assisted generation supports batch 1 only).",
         "EOS stopping is disabled for every method (ignore_eos): each prompt gets exactly max_new_tokens tokens.",
         "tokens_per_s = generated tokens / summed wall time of generate calls (prefill included), "
         "after one warm-up call per method and temperature on a prompt outside the measured set.",
@@ -174,6 +176,9 @@ def _config_json(cfg: BenchConfig, keys) -> dict:
         "nan_policy_overhead_pct: EAGLE tree (5/4/8), greedy; median of paired step-time differences "
         "(mode minus off, same prompt, same step) over the median off step, in percent.",
     ]
+    if any(METHOD_SPECS[k].engine == "llama_cpp" for k in cfg.methods):
+        d["notes"].append("llama_cpp methods: llama.cpp on the target's GGUF file (its quantized weights, its "
+                          "kernels and sampler), the anchor column; not exact-equivalent to ar.")
     return d
 
 
@@ -193,9 +198,10 @@ def run_one_dtype(cfg: BenchConfig, keys, dtype_name: str, device: torch.device,
     batches = [measured[i:i + cfg.batch_size] for i in range(0, len(measured), cfg.batch_size)]
     runners = {k: models.runner(METHOD_SPECS[k]) for k in keys}
     sink.results["config"]["method_configs"].update({k: runners[k].describe() for k in keys})
-    weights = {k: weight_bytes(*runners[k].modules) for k in keys}
+    weights = {k: runners[k].weight_bytes() for k in keys}
 
-    warm_batch = {k: [warm] if METHOD_SPECS[k].engine == "hf" else [warm] * cfg.batch_size for k in keys}
+    # HF's and llama.cpp's runners take one prompt per call
+    warm_batch = {k: [warm] if METHOD_SPECS[k].engine != "ours" else [warm] * cfg.batch_size for k in keys}
     warm_seed = fit_seed(cfg.seed, cfg.batch_size)
     by_temp: dict[str, dict] = {}
     runtime_mem: dict[str, int] = {}

@@ -1,19 +1,21 @@
-"""Runners: one object per method key with the same ``generate`` call, ours and Hugging Face's.
+"""Runners: one object per method key with the same ``generate`` call, ours, Hugging Face's and llama.cpp's
+(``spec_decode.bench.anchor``).
 
 Every runner generates exactly ``max_new_tokens`` tokens per prompt: EOS stopping is disabled for
 all methods (``generate(ignore_eos=True)`` and no stop ids for ours; ``eos_token_id=None``, in the call and
-in the model's ``generation_config``, for HF), so tokens/s compares equal work.
+in the model's ``generation_config``, for HF; llama.cpp's token generator stopped after that many), so
+tokens/s compares equal work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from spec_decode.bench.config import DRAFTER_OPTIONS, BenchInputError, MethodSpec, fit_seed
-from spec_decode.bench.machine import Stopwatch
+from spec_decode.bench.config import DRAFTER_OPTIONS, BenchInputError, MethodSpec, fit_seed, load_prompts
+from spec_decode.bench.machine import Stopwatch, weight_bytes
+from spec_decode.bench.runner import CallResult, prompt_seed
 from spec_decode.dtypes import torch_dtype
 
 BENCH_NAN_POLICY = "guard"   # the library default, pinned so that $SAFESPEC_NAN_POLICY cannot move the numbers
@@ -31,26 +33,15 @@ def checked_load(option: str, path, load):
         raise BenchInputError(f"{option} {path}: {e}") from e
 
 
-@dataclass
-class CallResult:
-    """What one runner call produced.
-
-    ``tokens[i]`` are prompt i's new tokens; ``accepted_lengths`` every verify step's emitted count,
-    over all prompts (empty for non-speculative methods); ``step_s`` per-step wall seconds (ours) or
-    per-token latency of each HF call; ``seconds`` wall time of the ``generate`` call(s).
-    """
-
-    tokens: list[list[int]] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-
-
 class OursRunner:
     """A ``SpecDecoder``; one ``generate`` call per batch of prompts."""
 
     def __init__(self, spec: MethodSpec, decoder, modules: tuple):
         self.spec, self.decoder, self.modules = spec, decoder, modules
+
+    def weight_bytes(self) -> int:
+        """Bytes of the models' weights, storage the head shares with the target counted once."""
+        return weight_bytes(*self.modules)
 
     def describe(self) -> dict:
         """The method's settings as the decoder holds them (``num_steps`` may be ``"auto"``)."""
@@ -99,6 +90,8 @@ class HFRunner:
         """None: HF's prompt lookup measures no verify costs (``OursRunner.lookup_costs``)."""
         return None
 
+    weight_bytes = OursRunner.weight_bytes
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> CallResult:
         out = CallResult()
         device = self.model.device
@@ -107,7 +100,7 @@ class HFRunner:
         for i, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=device)
             if temperature > 0:
-                torch.manual_seed(fit_seed(seed * 1009 + i))
+                torch.manual_seed(fit_seed(prompt_seed(seed, i)))
             extra = {} if self.assistant is None else {"assistant_model": self.assistant}
             if self.spec.prompt_lookup_tokens:
                 extra["prompt_lookup_num_tokens"] = self.spec.prompt_lookup_tokens
@@ -160,6 +153,8 @@ class ModelCache:
         if spec.engine == "hf":
             assistant = self.get("hf_draft_lm") if spec.drafter else None
             return HFRunner(spec, self.get("hf_target"), assistant)
+        if spec.engine == "llama_cpp":
+            return self._llama_cpp_runner(spec)
         target = self.get("target")
         drafter = self.get(spec.drafter) if spec.drafter else None
         tree = {} if drafter is None else dict(num_steps=spec.num_steps, topk=spec.topk,
@@ -176,6 +171,24 @@ class ModelCache:
             tree["draft_sampling"] = spec.draft_sampling
         dec = SpecDecoder(target, drafter, method=spec.method, nan_policy=nan_policy, compile=self.cfg.compile, **tree)
         return OursRunner(spec, dec, (target, drafter))
+
+
+    def _llama_cpp_runner(self, spec: MethodSpec):
+        """llama.cpp on ``cfg.gguf``, its context as long as the longest prompt read plus the new tokens, on
+        the run's threads (``--threads``, else torch's). A broken install raises BenchInputError naming
+        ``--methods``."""
+        from spec_decode.bench.anchor import LlamaCppRunner
+        from spec_decode.bench.args import ANCHOR_INSTALL
+
+        cfg = self.cfg
+        prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, self.get("target").config.vocab_size)
+        n_ctx = max(map(len, prompts)) + cfg.max_new_tokens
+        try:
+            return checked_load("--target", cfg.gguf, lambda: LlamaCppRunner.load(
+                spec, cfg.gguf, n_ctx, cfg.threads or torch.get_num_threads()))
+        except ImportError as e:   # found but not importable: its shared library failed to load
+            raise BenchInputError(f"--methods {spec.key}: llama-cpp-python does not import ({e}); "
+                                  f"{ANCHOR_INSTALL}") from e
 
 
 def _load_hf(path: Path, dtype: torch.dtype, device: torch.device):

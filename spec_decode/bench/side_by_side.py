@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from spec_decode.bench.args import (add_compile_arg, add_device_arg, add_input_args, add_run_args, add_threads_arg,
-                                    csv_list, input_paths, missing_bench_extra, nonneg_float, nonneg_int, out_dir,
-                                    positive_int, seed)
+                                    check_anchor_installed, csv_list, input_paths, missing_bench_extra, nonneg_float,
+                                    nonneg_int, out_dir, positive_int, seed, target_gguf)
 from spec_decode.bench.config import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHODS, DEFAULT_NUM_PROMPTS, BENCH_DTYPES,
                                       METHOD_KEYS, BenchConfig, BenchInputError, default_dtype_name)
 
@@ -58,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **input_paths(args), out=args.out, methods=tuple(args.methods), num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures), dtypes=tuple(dtypes),
         batch_size=args.batch_size, seed=args.seed, threads=args.threads, device=str(args.device),
-        nan_rounds=args.nan_rounds, progress=not args.no_progress, compile=args.compile)
+        nan_rounds=args.nan_rounds, progress=not args.no_progress, compile=args.compile, gguf=target_gguf(args.target))
 
 
 @contextlib.contextmanager
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-    except ValueError as e:
+        check_anchor_installed(cfg.methods)
+    except ValueError as e:   # BenchInputError too
         parser.error(str(e))
     import torch
 

