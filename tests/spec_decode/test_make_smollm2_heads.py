@@ -476,6 +476,7 @@ BAD_ARGS = {   # name -> (fn(tmp) -> bad values, the option the error names)
     "first_shard_negative": (lambda t: ["--first-shard", "-1"], "--first-shard"),
     "new_tokens_negative": (lambda t: ["--new-tokens", "-1"], "--new-tokens"),
     "max_minutes_nan": (lambda t: ["--max-minutes", "nan"], "--max-minutes"),
+    "lr_zero": (lambda t: ["--lr", "0"], "--lr"),
     "target_missing": (lambda t: ["--target", "/nonexistent"], "--target"),
     "target_a_file": (lambda t: ["--target", str(_a_file(t))], "--target"),
     "work_dir_a_file": (lambda t: ["--work-dir", str(_a_file(t))], "--work-dir"),
