@@ -32,6 +32,22 @@ def expected_tokens(num_drafts: int, pass_rate: float) -> float:
     return sum(pass_rate ** j for j in range(num_drafts + 1))
 
 
+def nondecreasing_fit(costs: Mapping[int, float]) -> dict[int, float]:
+    """The least-squares nondecreasing fit of ``costs`` (``{rows: c(rows)}``) over its rows in order, by pooling
+    adjacent violators: a block of more rows never does less work, so a dip in a measured curve is timing
+    noise, which the choice would otherwise chase (picking the block that happened to time fast)."""
+    rows = sorted(costs)
+    pools: list[list[float]] = []   # [sum, count] of each run of rows fitted to one value
+    for r in rows:
+        pools.append([costs[r], 1])
+        while len(pools) > 1 and pools[-2][0] * pools[-1][1] > pools[-1][0] * pools[-2][1]:
+            total, count = pools.pop()
+            pools[-1][0] += total
+            pools[-1][1] += count
+    fitted = [total / count for total, count in pools for _ in range(int(count))]
+    return dict(zip(rows, fitted))
+
+
 def choose_lookup_drafts(costs: Mapping[int, float], pass_rate: float, max_drafts: int) -> int:
     """The draft count ``n`` in ``1..max_drafts`` maximizing ``E(n) / c(n + 1)`` (ties: the fewest).
 
@@ -84,9 +100,9 @@ class LookupAuto:
 
     def calibrate(self, target) -> dict[int, float]:
         """The costs of blocks of 1 to ``max_drafts + 1`` rows of ``target``: measured (or read from the
-        disk cache) at the first call only."""
+        disk cache) at the first call only, then made nondecreasing in the rows (``nondecreasing_fit``)."""
         if self.costs is None:
-            self.costs = measure_verify_costs(target, range(1, self.max_drafts + 2))
+            self.costs = nondecreasing_fit(measure_verify_costs(target, range(1, self.max_drafts + 2)))
         return self.costs
 
     def choose(self, regime: str) -> int:

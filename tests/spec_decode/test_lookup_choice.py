@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import AVX2_LIKE, FLAT
-from spec_decode.lookup_choice import LookupAuto, LookupPassRate, choose_lookup_drafts, expected_tokens
+from spec_decode.lookup_choice import (LookupAuto, LookupPassRate, choose_lookup_drafts, expected_tokens,
+                                      nondecreasing_fit)
 
 ROWS = range(1, 13)   # a lookup step of up to 11 drafts, as spec-bench's eagle3_lookup
 
@@ -83,3 +84,26 @@ def test_lookup_auto_calibrates_once_and_chooses_from_its_pass_rate(verify_cost_
     for _ in range(20):
         auto.pass_rate.record("greedy", 1, [1])   # every first draft fails
     assert auto.choose("greedy") == 1 and auto.choose("sampled") > 1
+
+
+def test_the_fit_pools_dips_and_keeps_a_rising_curve():
+    rising = {1: 1.0, 2: 1.1, 3: 1.1, 4: 1.5}
+    assert nondecreasing_fit(rising) == rising
+    fitted = nondecreasing_fit({1: 1.0, 2: 1.44, 3: 1.39, 4: 1.31, 5: 1.7})
+    assert fitted == pytest.approx({1: 1.0, 2: (1.44 + 1.39 + 1.31) / 3, 3: (1.44 + 1.39 + 1.31) / 3,
+                                    4: (1.44 + 1.39 + 1.31) / 3, 5: 1.7})
+    noisy = {n: c for n, c in zip(range(1, 13), (1, 1.14, 1.4, 1.2, 1.63, 1.47, 1.85, 2.08, 2.18, 2.3, 2.42, 2.75))}
+    values = list(nondecreasing_fit(noisy).values())
+    assert values == sorted(values) and sum(values) == pytest.approx(sum(noisy.values()))   # least squares keeps the mean
+
+
+def test_lookup_auto_never_chases_a_block_that_timed_fast(verify_cost_curve, tiny_target):
+    """A measured dip (6 rows timing faster than 5) is noise: the raw curve's choice lands on it; the decoder's
+    costs are the fitted curve, where no block costs less than a smaller one."""
+    dip = lambda n: {5: 1.6, 6: 1.3}.get(n, 1.0 + 0.3 * (n - 1) if n < 5 else 2.0 + 0.2 * (n - 7))   # noqa: E731
+    verify_cost_curve(dip)
+    raw = {n: dip(n) / dip(1) for n in ROWS}
+    assert choose_lookup_drafts(raw, 0.95, 11) == 5   # the dip wins on the raw curve
+    auto = LookupAuto(11)
+    costs = auto.calibrate(tiny_target)
+    assert list(costs.values()) == sorted(costs.values()) and costs[6] > raw[6]   # the dip is pooled away
