@@ -191,6 +191,18 @@ def test_interrupted_training_resumes_to_the_same_weights(make_fixtures, tmp_pat
         assert torch.equal(a, b)
 
 
+def linear_step_fn(net, opt, gen):
+    """A training step of ``net`` (a Linear of 3 inputs) on random inputs from ``gen``: ``step_fn`` for
+    ``train_resumable``."""
+    def step_fn(step):
+        loss = net(torch.randn(4, 3, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return {"loss": loss.detach()}
+    return step_fn
+
+
 def test_stalled_compares_the_last_evaluations_with_the_best_before_them(make_fixtures):
     stalled = make_fixtures.fixtures_run.stalled
     evals = lambda *xs: [{"a": x} for x in xs]   # noqa: E731
@@ -210,12 +222,7 @@ def test_a_stalled_run_stops_early_and_stays_stopped(make_fixtures, tmp_path, mo
     gen = torch.Generator().manual_seed(0)
     scores = iter([0.1, 0.5, 0.55, 0.58] + [0.9] * 20)   # gains 0.05 and 0.08 after 0.5: stalled at step 20
 
-    def step_fn(step):
-        loss = net(torch.randn(4, 3, generator=gen)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return {"loss": loss.detach()}
+    step_fn = linear_step_fn(net, opt, gen)
 
     monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
     monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(10**9))
@@ -234,12 +241,7 @@ def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, 
     opt = torch.optim.AdamW(net.parameters(), lr=cfg["lr"])
     gen = torch.Generator().manual_seed(0)
 
-    def step_fn(step):
-        loss = net(torch.randn(4, 3, generator=gen)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return {"loss": loss.detach()}
+    step_fn = linear_step_fn(net, opt, gen)
 
     monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
     monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_EVERY_S", 1e9)
