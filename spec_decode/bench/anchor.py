@@ -71,7 +71,8 @@ class LlamaCppRunner:
     def load(cls, spec: MethodSpec, gguf: Path, n_ctx: int, threads: int) -> "LlamaCppRunner":
         """Load ``gguf`` into a context of ``n_ctx`` tokens (the longest prompt plus the new tokens) that
         computes on ``threads`` threads, prefill included; with ``spec.prompt_lookup_tokens``, llama.cpp's
-        prompt lookup proposes that many drafts a step."""
+        prompt lookup proposes that many drafts a step, and the context holds that many more (a step
+        evaluates its drafts past the last token it keeps)."""
         from llama_cpp import Llama
 
         draft = None
@@ -79,7 +80,7 @@ class LlamaCppRunner:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = CountingDraft(LlamaPromptLookupDecoding(num_pred_tokens=spec.prompt_lookup_tokens))
-        llama = Llama(model_path=os.fspath(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+        llama = Llama(model_path=os.fspath(gguf), n_ctx=n_ctx + (spec.prompt_lookup_tokens or 0), n_threads=threads, n_threads_batch=threads,
                       draft_model=draft, verbose=False)
         return cls(spec, llama, draft, gguf)
 

@@ -182,8 +182,7 @@ class ModelCache:
 
         cfg = self.cfg
         prompts = load_prompts(Path(cfg.prompts), cfg.num_prompts, self.get("target").config.vocab_size)
-        # a lookup step evaluates its drafts past the last token it keeps: room for one step's drafts too
-        n_ctx = max(map(len, prompts)) + cfg.max_new_tokens + (spec.prompt_lookup_tokens or 0)
+        n_ctx = max(map(len, prompts)) + cfg.max_new_tokens
         try:
             return checked_load("--target", cfg.gguf, lambda: LlamaCppRunner.load(
                 spec, cfg.gguf, n_ctx, cfg.threads or torch.get_num_threads()))
