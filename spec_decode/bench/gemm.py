@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from spec_decode.bench.args import add_input_args, csv_list, nonneg_int, positive_int
 from spec_decode.bench.config import BenchInputError
 from spec_decode.bench.machine import torch_threads
-from spec_decode.dtypes import DTYPE_NAMES
+from spec_decode.cpu.cpu_gemm import ISAS
+from spec_decode.dtypes import DTYPE_NAMES, DTYPES
 
 
 def projection_shapes(*modules) -> list[tuple[int, int]]:
@@ -71,6 +72,9 @@ def time_projections(shapes, rows, repeats: int) -> list[dict]:
             out.append({"in": in_f, "out": out_f, "rows": r, "f_linear_us": median_us(lambda: F.linear(x, weight), repeats),
                         "panel_us": median_us(lambda: packed(x), repeats), "max_rel_diff": rel})
     return out
+
+
+DTYPE_LABELS = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def forward_panels(target, dtype) -> list:
@@ -121,9 +125,6 @@ def kernel_report(target, isas, rows, repeats: int) -> list[dict]:
     return out
 
 
-DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-
-
 def print_kernel_report(report: list[dict]) -> None:
     print("the kernel over one forward's projections of the target, 1 thread (median of passes)")
     print(f"  {'path':>6s} {'panels':>6s} {'rows':>4s} {'ms':>7s} {'GFLOP/s':>8s} {'of peak':>7s} {'weights GB/s':>12s}")
@@ -133,13 +134,6 @@ def print_kernel_report(report: list[dict]) -> None:
     for isa in dict.fromkeys(r["isa"] for r in report):
         peak = next(r["peak_gflops"] for r in report if r["isa"] == isa)
         print(f"  {isa} FMA peak, one core, measured: {peak:.1f} GFLOP/s")
-
-
-def default_isas() -> tuple[str, ...]:
-    """Every path this CPU runs: AVX2, and AVX-512F where it has it (forced to AVX2 too)."""
-    from spec_decode.cpu.capability import cpu_flags
-
-    return ("avx2", "avx512") if "avx512f" in cpu_flags() else ("avx2",)
 
 
 def kernel_variants(dtype) -> dict:
@@ -174,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passes over the forward's projections per figure (median; default 20)")
     p.add_argument("--kernel-only", action="store_true",
                    help="only the per-forward kernel part: the target alone, no drafter loaded")
-    p.add_argument("--isa", type=csv_list(str), default=None,
+    p.add_argument("--isa", type=csv_list(choices=tuple(ISAS)), default=None,
                    help="paths of the per-forward kernel part, comma list of avx2,avx512 (default: every path "
                         "this CPU runs; avx2 alone forces the AVX2 path on an AVX-512 CPU)")
     p.add_argument("--num-prompts", type=nonneg_int, default=8, help="prompts of the end-to-end part (0 skips it)")
@@ -193,10 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     dtype = torch_dtype(args.dtype)
-    isas = tuple(args.isa) if args.isa else default_isas()
-    bad = [i for i in isas if i not in cpu_gemm.ISAS]
-    if bad:
-        p.error(f"--isa {','.join(bad)}: not a kernel path; choose from {','.join(cpu_gemm.ISAS)}")
     try:   # the end-to-end part warms up on the prompt after the measured ones
         if args.kernel_only:
             check_models(args.target, {})
@@ -209,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from spec_decode.models import Transformer
 
+    isas = args.isa or cpu_gemm.runnable_isas()   # default: every path this CPU runs (AVX2 forced too)
     target = Transformer.from_pretrained(args.target, dtype=torch.float32)   # its weights, packed per panel dtype
     with torch_threads(1), torch.inference_mode():
         print_kernel_report(kernel_report(target, isas, args.kernel_rows, args.kernel_repeats))

@@ -108,14 +108,8 @@ def cpu_kind(flags: set[str] | None = None) -> str:
 
 def routes_summary() -> str:
     """One line: the CPU kind and the routes this process takes, for test logs and benchmark results."""
-    isas = []
     if cpu_gemm.available():
-        best = cpu_gemm.isa()
-        try:
-            isas = [name for name in cpu_gemm.ISAS if cpu_gemm.set_isa(name) == name]
-        finally:
-            cpu_gemm.set_isa(None)
-        kernel = f"panel kernel on {best} (paths this CPU runs: {', '.join(isas)})"
+        kernel = f"panel kernel on {cpu_gemm.isa()} (paths this CPU runs: {', '.join(cpu_gemm.runnable_isas())})"
     else:
         kernel = "no panel kernel (batch-invariant routes off)"
     return (f"CPU kind {cpu_kind()}, torch capability {torch.backends.cpu.get_cpu_capability()}; {kernel}; "

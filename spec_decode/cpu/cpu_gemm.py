@@ -101,6 +101,18 @@ def set_isa(name: str | None) -> str | None:
     return {v: k for k, v in ISAS.items()}[kernels.isa(0 if name is None else ISAS[name])]
 
 
+def runnable_isas() -> tuple[str, ...]:
+    """The projection kernel's paths this CPU runs, in ``ISAS`` order (() without the kernel); the path in use
+    stays the one in use."""
+    if loaded_kernels() is None:
+        return ()
+    in_use = isa()
+    try:
+        return tuple(name for name in ISAS if set_isa(name) == name)
+    finally:
+        set_isa(in_use)
+
+
 PEAK_CHAINS = 12   # cpu_gemm.c's: independent FMA chains of safespec_fma_peak
 
 

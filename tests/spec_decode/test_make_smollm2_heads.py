@@ -329,6 +329,10 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     assert (fresh / "eagle3" / "model.safetensors").read_bytes() == a
     stats = json.loads((work / "stats" / "eagle3.json").read_text())
     assert stats["steps_run"] == STEPS and stats["runs"] == 2 and 0 <= stats["heldout_step1_agreement"] <= 1
+    # the recorded figure is the staged head's own, on the held-out shard
+    staged = load_drafter(work / "eagle3", shipped_target, method="eagle3", dtype=torch.float32)
+    heldout = msh.heads_train.heldout_agreement(msh.read_shard(work / "data" / "heldout-00000"), staged.eval())
+    assert heldout["heldout_step1_agreement"] == stats["heldout_step1_agreement"]
     by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
     trained = [i for s in ("train-00000", "train-00001")
                for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]

@@ -506,3 +506,16 @@ def test_the_fma_peak_is_measured_on_the_path_asked_for():
     lanes = cpu_gemm.loaded_kernels().fma_peak(cpu_gemm.ISAS["avx512"], 10, ctypes.byref(sink))
     assert lanes == (16 if cpu_gemm.set_isa("avx512") == "avx512" else 8)
     cpu_gemm.set_isa(None)
+
+
+def test_runnable_isas_lists_this_cpus_paths_and_keeps_the_one_in_use():
+    if not cpu_gemm.available():
+        assert cpu_gemm.runnable_isas() == ()
+        return
+    avx512 = cpu_gemm.set_isa("avx512") == "avx512"
+    try:
+        cpu_gemm.set_isa("avx2")   # forced, as a measurement of the AVX2 path on an AVX-512 CPU does
+        assert cpu_gemm.runnable_isas() == (("avx2", "avx512") if avx512 else ("avx2",))
+        assert cpu_gemm.isa() == "avx2"
+    finally:
+        cpu_gemm.set_isa(None)
