@@ -8,6 +8,22 @@ import torch
 from torch import Tensor
 
 
+def scatter_rows(dest: Tensor, row_index: Tensor, rows: Tensor) -> None:
+    """``dest.scatter_(2, row_index, rows)``: copy ``rows`` [B, n_kv, T, D] into ``dest`` [B, n_kv, S, D] at the
+    positions ``row_index`` [B, n_kv, T, D] (expanded along D).
+
+    torch's CPU scatter of bfloat16 and float16 takes a slow generic path, several times the integer one's
+    cost, and a forward writes two cache rows a layer; the copy moves bits, so 2-byte floats go through
+    int16 views of the same memory. Tensors under autograd keep the float scatter (an integer view has
+    no gradient).
+    """
+    if (rows.dtype in (torch.bfloat16, torch.float16) and dest.dtype == rows.dtype
+            and not ((rows.requires_grad or dest.requires_grad) and torch.is_grad_enabled())):
+        dest.view(torch.int16).scatter_(2, row_index, rows.view(torch.int16))
+    else:
+        dest.scatter_(2, row_index, rows)
+
+
 @dataclass
 class KVCache:
     """Batched KV cache: one slot per request, ``lengths[b]`` committed rows in slot ``b``.
@@ -63,8 +79,8 @@ class KVCache:
             k = k.to(self.k.dtype)
         if v.dtype != self.v.dtype:
             v = v.to(self.v.dtype)
-        self.k[layer].scatter_(2, row_index, k)
-        self.v[layer].scatter_(2, row_index, v)
+        scatter_rows(self.k[layer], row_index, k)
+        scatter_rows(self.v[layer], row_index, v)
 
     def commit(self, num: Tensor, rel_idx: Tensor | None = None) -> None:
         """Keep ``num[b]`` rows of the last new block and advance ``lengths`` by ``num``.

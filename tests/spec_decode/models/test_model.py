@@ -14,6 +14,7 @@ import torch
 
 from spec_decode.models.checkpoint import SAFETENSORS_INDEX_NAME
 from spec_decode.models import KVCache, ModelConfig, Transformer, build_attention_mask, causal_block_mask
+from spec_decode.models.kv_cache import scatter_rows
 
 from tiny_models import _randomize_, make_tiny_target, tiny_config
 
@@ -676,3 +677,30 @@ def test_cache_write_casts_k_and_v_each_to_the_cache_dtype():
     cache.write(0, torch.tensor([[1]]), k, v)
     assert cache.k[0, 0, 0, 1].tolist() == [1.5, -2.0] and cache.v[0, 0, 0, 1].tolist() == [0.25, 3.0]
     assert cache.k.dtype == cache.v.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scatter_rows_copies_every_bit_as_the_float_scatter(dtype):
+    """The 2-byte route (int16 views) writes the same bits as ``scatter_``: NaN payloads, -0.0, Inf,
+    subnormals, from a transposed (non-contiguous) source, at scattered positions per request."""
+    B, n_kv, S, T, D = 2, 3, 9, 3, 5
+    special = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-40, 3.0]).to(dtype)
+    rows = torch.randn(B, T, n_kv, D).to(dtype)
+    rows.view(-1)[:6] = special
+    rows = rows.transpose(1, 2)                                   # [B, n_kv, T, D], not contiguous
+    pos = torch.tensor([[4, 0, 7], [1, 8, 2]])
+    index = pos[:, None, :, None].expand(B, n_kv, T, D)
+    dest, want = torch.randn(B, n_kv, S, D).to(dtype), None
+    want = dest.clone().scatter_(2, index, rows)
+    scatter_rows(dest, index, rows)
+    as_int = torch.int16 if dtype != torch.float32 else torch.int32
+    assert torch.equal(dest.view(as_int), want.view(as_int))
+
+
+def test_scatter_rows_keeps_the_gradient_of_rows_under_autograd():
+    rows = torch.randn(1, 1, 2, 4).to(torch.bfloat16).requires_grad_()
+    dest = torch.zeros(1, 1, 5, 4, dtype=torch.bfloat16)
+    index = torch.tensor([[1, 3]])[:, None, :, None].expand(1, 1, 2, 4)
+    scatter_rows(dest, index, rows)
+    dest.float().sum().backward()
+    assert torch.equal(rows.grad, torch.ones_like(rows))
