@@ -416,14 +416,78 @@ __attribute__((target("avx2,fma"))) static inline float dot_row(const float *qs,
     return s;
 }
 
-/* acc[0:D] = fma(p, v row, acc), lane by lane (the tail by fmaf: the same operation). */
-__attribute__((target("avx2,fma"))) static inline void axpy_row(float *acc, float p, const void *v, size_t v0,
-                                                              int D, const int BF) {
-    const __m256 pv = _mm256_set1_ps(p);
+/* The scores of 8 visible keys (cache rows idx[0..7]) at once: 8 independent FMA chains, so their latencies
+ * overlap where dot_row's single chain waits on each FMA. Each key's arithmetic is dot_row's: lane l sums
+ * d = l, l + 8, ... by FMA; hadd adds neighbouring lanes, twice, then the halves, which is
+ * ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); d past the last whole 8 by FMA in d order. */
+__attribute__((target("avx2,fma"))) static inline void dot_8_rows(const float *qs, const void *k, size_t kv0,
+                                                                const int *idx, int D, const int BF, float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const size_t r0 = kv0 + (size_t)idx[0] * D, r1 = kv0 + (size_t)idx[1] * D, r2 = kv0 + (size_t)idx[2] * D,
+                 r3 = kv0 + (size_t)idx[3] * D, r4 = kv0 + (size_t)idx[4] * D, r5 = kv0 + (size_t)idx[5] * D,
+                 r6 = kv0 + (size_t)idx[6] * D, r7 = kv0 + (size_t)idx[7] * D;
     int d = 0;
-    for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v, v0 + d, BF), _mm256_loadu_ps(acc + d)));
-    for (; d < D; d++) acc[d] = __builtin_fmaf(p, load1(v, v0 + d, BF), acc[d]);
+    for (; d + 8 <= D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qs + d);
+        a0 = _mm256_fmadd_ps(qv, load8(k, r0 + d, BF), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k, r1 + d, BF), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k, r2 + d, BF), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k, r3 + d, BF), a3);
+        a4 = _mm256_fmadd_ps(qv, load8(k, r4 + d, BF), a4);
+        a5 = _mm256_fmadd_ps(qv, load8(k, r5 + d, BF), a5);
+        a6 = _mm256_fmadd_ps(qv, load8(k, r6 + d, BF), a6);
+        a7 = _mm256_fmadd_ps(qv, load8(k, r7 + d, BF), a7);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));   /* keys 0-3: low, high half */
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));   /* keys 4-7 */
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    if (d < D) {
+        const size_t r[8] = {r0, r1, r2, r3, r4, r5, r6, r7};
+        for (int j = 0; j < 8; j++)
+            for (int e = d; e < D; e++) out[j] = __builtin_fmaf(qs[e], load1(k, r[j] + e, BF), out[j]);
+    }
+}
+
+/* acc[d] = fma(p[j], v row idx[j] [d], acc[d]) for the n visible keys j in key order, from acc[d] = 0: the
+ * keys run inside a block of 8 vectors of acc held in registers, so an FMA waits on its own element's
+ * previous one only (a loop over keys outside one over d would store and reload acc at every key). */
+__attribute__((target("avx2,fma"))) static inline void weighted_rows(float *acc, const float *p, const void *v,
+                                                                   size_t kv0, const int *idx, int n, int D,
+                                                                   const int BF) {
+    int d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        for (int j = 0; j < n; j++) {
+            const __m256 pv = _mm256_set1_ps(p[j]);
+            const size_t r = kv0 + (size_t)idx[j] * D + d;
+            c0 = _mm256_fmadd_ps(pv, load8(v, r, BF), c0);
+            c1 = _mm256_fmadd_ps(pv, load8(v, r + 8, BF), c1);
+            c2 = _mm256_fmadd_ps(pv, load8(v, r + 16, BF), c2);
+            c3 = _mm256_fmadd_ps(pv, load8(v, r + 24, BF), c3);
+            c4 = _mm256_fmadd_ps(pv, load8(v, r + 32, BF), c4);
+            c5 = _mm256_fmadd_ps(pv, load8(v, r + 40, BF), c5);
+            c6 = _mm256_fmadd_ps(pv, load8(v, r + 48, BF), c6);
+            c7 = _mm256_fmadd_ps(pv, load8(v, r + 56, BF), c7);
+        }
+        _mm256_storeu_ps(acc + d, c0);
+        _mm256_storeu_ps(acc + d + 8, c1);
+        _mm256_storeu_ps(acc + d + 16, c2);
+        _mm256_storeu_ps(acc + d + 24, c3);
+        _mm256_storeu_ps(acc + d + 32, c4);
+        _mm256_storeu_ps(acc + d + 40, c5);
+        _mm256_storeu_ps(acc + d + 48, c6);
+        _mm256_storeu_ps(acc + d + 56, c7);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 c = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v, kv0 + (size_t)idx[j] * D + d, BF), c);
+        _mm256_storeu_ps(acc + d, c);
+    }
+    for (; d < D; d++) {
+        float c = 0.0f;
+        for (int j = 0; j < n; j++) c = __builtin_fmaf(p[j], load1(v, kv0 + (size_t)idx[j] * D + d, BF), c);
+        acc[d] = c;
+    }
 }
 
 /* One query row: qs [D] float32 (already scaled), keys/values at k0/v0 + s * D, mask [S] (1 byte each). */
@@ -433,12 +497,17 @@ __attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const f
     int n = 0;
     for (int s = 0; s < S; s++)
         if (mask[s]) idx[n++] = s;
-    float m = -INFINITY;
-    for (int i = 0; i < n; i++) {
-        p[i] = kv_bf16 ? dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 1) : dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 0);
-        if (p[i] > m) m = p[i];
-    }
     int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (kv_bf16) dot_8_rows(qs, k, kv0, idx + i, D, 1, p + i);
+        else dot_8_rows(qs, k, kv0, idx + i, D, 0, p + i);
+    }
+    for (; i < n; i++)
+        p[i] = kv_bf16 ? dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 1) : dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 0);
+    float m = -INFINITY;
+    for (i = 0; i < n; i++)
+        if (p[i] > m) m = p[i];
+    i = 0;
     const __m256 mv = _mm256_set1_ps(m);
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv)));
     if (i < n) {   /* the tail through the same vector code: a key's bits never depend on its lane */
@@ -448,12 +517,9 @@ __attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const f
         memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
     }
     float den = 0.0f;
-    for (int j = 0; j < D; j++) acc[j] = 0.0f;
-    for (int j = 0; j < n; j++) {
-        den += p[j];
-        if (kv_bf16) axpy_row(acc, p[j], v, kv0 + (size_t)idx[j] * D, D, 1);
-        else axpy_row(acc, p[j], v, kv0 + (size_t)idx[j] * D, D, 0);
-    }
+    for (int j = 0; j < n; j++) den += p[j];
+    if (kv_bf16) weighted_rows(acc, p, v, kv0, idx, n, D, 1);
+    else weighted_rows(acc, p, v, kv0, idx, n, D, 0);
     for (int j = 0; j < D; j++) acc[j] = acc[j] / den;
 }
 

@@ -16,7 +16,10 @@ from spec_decode.cpu.attention import invariant_attention, reference_attention, 
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel needs cpu_gemm (x86-64, AVX2, a C compiler)")
 
-SHAPES = [(1, 1, 1, 1, 8), (2, 2, 6, 37, 32), (1, 3, 5, 20, 13), (2, 1, 3, 9, 64), (1, 2, 18, 70, 7), (3, 1, 1, 5, 40)]
+# the kernel takes the visible keys 8 at a time, then one at a time, and the head dimension 64, then 8,
+# then 1 at a time: S and D below cover each route and their remainders (SmolLM2's D is 64)
+SHAPES = [(1, 1, 1, 1, 8), (2, 2, 6, 37, 32), (1, 3, 5, 20, 13), (2, 1, 3, 9, 64), (1, 2, 18, 70, 7), (3, 1, 1, 5, 40),
+          (1, 2, 4, 45, 72), (1, 1, 3, 33, 100), (1, 3, 2, 130, 64)]
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
           (torch.float32, torch.bfloat16)]
 
