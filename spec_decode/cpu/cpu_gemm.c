@@ -559,3 +559,41 @@ __attribute__((target("avx2,fma"))) int safespec_attention(int B, int H, int R, 
     free(qs);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * RMSNorm (spec_decode/cpu/norm.py), one row of H values at a time, in one fixed order:
+ *   ss  = sum of x[d] * x[d]: 8 lanes, lane l adding d = l, l + 8, ... (multiply, then add), the lanes
+ *         summed ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then d past the last whole 8 in d order;
+ *   r   = 1 / sqrt(ss / H + eps);
+ *   out = w * (x * r), where a bf16 x rounds x * r to bf16 before the weight multiply (as HF Llama),
+ *         and the product rounds once to out's dtype.
+ * torch's mean reduces in an order that follows its build's vector width, so the same row got other bits
+ * on an AVX-512 torch; this order is the same on every CPU. reference_rms_norm (norm.py) repeats it in
+ * torch bit for bit. NaN or Inf in a row makes the row NaN where it would in exact arithmetic order. */
+__attribute__((target("avx2,fma"))) void safespec_rms_norm(int rows, int H, const void *x, int x_bf16, const void *w,
+                                                          int w_bf16, float eps, void *out, int out_bf16) {
+    for (int m = 0; m < rows; m++) {
+        const size_t x0 = (size_t)m * H;
+        __m256 lanes = _mm256_setzero_ps();
+        int d = 0;
+        for (; d + 8 <= H; d += 8) {
+            const __m256 v = load8(x, x0 + d, x_bf16);
+            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(v, v));
+        }
+        float l[8];
+        _mm256_storeu_ps(l, lanes);
+        float ss = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+        for (; d < H; d++) {
+            const float v = load1(x, x0 + d, x_bf16);
+            ss = ss + v * v;
+        }
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (d = 0; d < H; d++) {
+            float y = load1(x, x0 + d, x_bf16) * r;
+            if (x_bf16) y = bf16_to_f32(f32_to_bf16(y));
+            const float o = load1(w, (size_t)d, w_bf16) * y;
+            if (out_bf16) ((uint16_t *)out)[x0 + d] = f32_to_bf16(o);
+            else ((float *)out)[x0 + d] = o;
+        }
+    }
+}

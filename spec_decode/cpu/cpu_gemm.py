@@ -249,6 +249,7 @@ class _Kernels:
     fp32: ctypes._CFuncPtr   # safespec_panel_linear
     bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
     attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
+    rms_norm: ctypes._CFuncPtr   # safespec_rms_norm (spec_decode.cpu.norm)
     isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
     fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
@@ -261,6 +262,7 @@ def loaded_kernels() -> _Kernels | None:
     try:
         lib = ctypes.CDLL(str(_build()))
         fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
+        rms_norm = lib.safespec_rms_norm
         isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
@@ -274,9 +276,12 @@ def loaded_kernels() -> _Kernels | None:
     # (B, H, R, S, D, q, q_bf16, q strides x3, k, v, kv_bf16, kv strides x2, mask, mask strides x2, scale, out, out_bf16)
     attention.argtypes = ([i32] * 5 + [ptr, i32, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, i64, ctypes.c_float,
                                         ptr, i32])
+    rms_norm.restype = None
+    # (rows, H, x, x_bf16, w, w_bf16, eps, out, out_bf16)
+    rms_norm.argtypes = [i32, i32, ptr, i32, ptr, i32, ctypes.c_float, ptr, i32]
     isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
     fma_peak.restype, fma_peak.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
-    return _Kernels(fp32, bf16, attention, isa, fma_peak)
+    return _Kernels(fp32, bf16, attention, rms_norm, isa, fma_peak)
 
 
 def _cpu_has_avx2_fma() -> bool:

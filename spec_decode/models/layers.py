@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.capability import KERNELS_MISSING
 from spec_decode.cpu.attention import invariant_attention
+from spec_decode.cpu.norm import invariant_rms_norm
 from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import apply_rope
 from spec_decode.models.kv_cache import KVCache
@@ -16,7 +17,14 @@ from spec_decode.models.masks import LayerInputs
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama)."""
+    """RMSNorm computed in float32 and cast back before the weight multiply (as HF Llama).
+
+    ``batch_invariant`` (None or True: on; False: off; ``set_batch_invariant``): on the CPU, in float32 and
+    bf16 where ``cpu_gemm.available()``, eager and without autograd, it is one C call in one fixed order
+    (``spec_decode.cpu.norm``); elsewhere, and off, the torch expression below.
+    """
+
+    batch_invariant: bool | None = None
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -24,11 +32,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._invariant(x):
+            return invariant_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         # the casts are skipped, not made no-ops, in float32: a no-op cast is still an op call
         xf = x if dtype == torch.float32 else x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * (xf if dtype == torch.float32 else xf.to(dtype))
+
+    def _invariant(self, x: Tensor) -> bool:
+        """Whether this call takes the C kernel (see the class docstring)."""
+        w = self.weight
+        return (self.batch_invariant is not False and x.is_cpu and x.dtype in cpu_gemm.KERNEL_DTYPES
+                and w.dtype is x.dtype and not ((x.requires_grad or w.requires_grad) and torch.is_grad_enabled())
+                and not torch.compiler.is_compiling() and cpu_gemm.available())
 
 
 def _zero_nonfinite_rows(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -191,7 +208,7 @@ class DecoderLayer(nn.Module):
 
 
 def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
-    """Switch the batch-invariant CPU routes of every ``Linear``, ``Attention`` and ``MLP`` in ``module``.
+    """Switch the batch-invariant CPU routes of every ``Linear``, ``Attention``, ``MLP`` and ``RMSNorm`` in ``module``.
 
     None (the default) or True: on where they run (the CPU, float32 and bf16, ``cpu_gemm.available()``);
     False: the fastest routes, whose bits may depend on the row count, ``kv_len`` and the batch.
@@ -206,7 +223,7 @@ def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
             raise ValueError(f"batch_invariant=True: {blocker} (pass None or False)")
     set_invariant_linears(module, on)
     for m in module.modules():
-        if isinstance(m, (Attention, MLP)):
+        if isinstance(m, (Attention, MLP, RMSNorm)):
             m.batch_invariant = on
 
 
