@@ -11,8 +11,8 @@ the same block can cost about one plain step on one CPU and two on another.
 medians) and keeps the result in safespec's cache root (``spec_decode.disk_cache``, beside the
 compiled kernel) as one JSON file per ``cost_key``: whatever changes the costs (the CPU kind and
 torch's capability, torch's version and thread count, the dtype, the batch-invariant routes, the
-device, the model's sizes). A cached file that does not parse, holds another key or misses a row is
-measured again, never trusted. A cache root that cannot be written costs one warning, and the costs
+device, the model's sizes, the build of the CPU kernels). A cached file that does not parse, holds
+another key or misses a row is measured again, never trusted. A cache root that cannot be written costs one warning, and the costs
 are measured in memory. ``$SAFESPEC_REMEASURE_VERIFY_COSTS=1`` (or ``remeasure=True``) measures
 again and rewrites the file.
 """
@@ -86,6 +86,7 @@ def time_verify_blocks(target, context: Sequence[int], rows: Iterable[int], repe
 def cost_key(target) -> dict:
     """What the costs of ``target``'s verify blocks depend on, beyond the row count: the cache's key."""
     from spec_decode import __version__
+    from spec_decode.cpu import cpu_gemm
     from spec_decode.cpu.capability import cpu_kind
     from spec_decode.models import batch_invariant_in_force
 
@@ -95,6 +96,7 @@ def cost_key(target) -> dict:
             "torch_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "dtype": str(target.dtype),
             "batch_invariant": batch_invariant_in_force(target), "device": str(device),
+            "cpu_kernels": cpu_gemm.kernel_tag() if device.type == "cpu" and cpu_gemm.available() else None,
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "model_config": hashlib.sha256(config.encode()).hexdigest()}
 

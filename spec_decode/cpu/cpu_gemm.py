@@ -316,11 +316,16 @@ def _cache_dir() -> Path:
     return fallback
 
 
+def kernel_tag() -> str:
+    """A digest of the kernels' source, compiler and flags: the compiled library's name, and part of the
+    key of what was measured with it (``spec_decode.verify_cost``)."""
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(_compiler() + list(_CFLAGS)).encode()).hexdigest()[:16]
+
+
 def _build() -> Path:
     """Compile ``cpu_gemm.c`` once per source and compiler; concurrent builds each write their own file."""
     cmd = _compiler()
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(cmd + list(_CFLAGS)).encode()).hexdigest()[:16]
+    tag = kernel_tag()
     out_dir = _cache_dir()
     lib = out_dir / f"cpu_gemm-{tag}.so"
     if lib.exists():

@@ -77,6 +77,18 @@ def test_the_key_changes_with_dtype_threads_and_model(tiny_target_dir, tiny_targ
     assert cost_key(tiny_target) == key
 
 
+def test_the_key_changes_with_the_kernels_source(tiny_target, monkeypatch):
+    """Costs measured with one build of the CPU kernels are not another build's."""
+    from spec_decode.cpu import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernels do not run here: the key holds no kernel tag")
+    key = cost_key(tiny_target)
+    assert key["cpu_kernels"] == cpu_gemm.kernel_tag()
+    monkeypatch.setattr(cpu_gemm, "kernel_tag", lambda: "another-build")
+    assert cost_key(tiny_target)["cpu_kernels"] == "another-build" != key["cpu_kernels"]
+
+
 def test_an_unusable_cache_dir_measures_in_memory_with_one_warning(verify_cost_curve, tiny_target, tmp_path,
                                                                    monkeypatch):
     calls = verify_cost_curve(FLAT)
