@@ -12,8 +12,8 @@ medians) and keeps the result in safespec's cache root (``spec_decode.disk_cache
 compiled kernel) as one JSON file per ``cost_key``: whatever changes the costs (the CPU kind and
 torch's capability, torch's version and thread count, the dtype, the batch-invariant routes, the
 device, the model's sizes, the build of the CPU kernels). A cached file that does not parse, holds
-another key or misses a row is measured again, never trusted. A cache root that cannot be written costs one warning, and the costs
-are measured in memory. ``$SAFESPEC_REMEASURE_VERIFY_COSTS=1`` (or ``remeasure=True``) measures
+another key or misses a row is measured again, never trusted. A cache root that cannot be written
+costs one warning, and the costs are measured in memory. ``$SAFESPEC_REMEASURE_VERIFY_COSTS=1`` (or ``remeasure=True``) measures
 again and rewrites the file.
 """
 
