@@ -62,6 +62,55 @@ def invariant_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     return out
 
 
+def attention_block_fits(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_cache: Tensor,
+                         v_cache: Tensor, mask: Tensor) -> bool:
+    """Whether ``attention_block`` takes these tensors (its docstring's shapes, dtypes and layouts); where it
+    does not, the layer's ops one at a time give the same bits."""
+    dtype = qkv.dtype
+    D = k_cache.shape[-1]
+    return (dtype in cpu_gemm.KERNEL_DTYPES and cos.dtype is dtype and sin.dtype is dtype
+            and k_cache.dtype is dtype and v_cache.dtype is dtype and write_pos.dtype is torch.int64
+            and mask.dtype is torch.bool and D % 2 == 0 and qkv.is_contiguous() and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+            and k_cache.stride(-2) == D and mask.stride(-1) == 1
+            and all(t.is_cpu for t in (qkv, cos, sin, write_pos, k_cache, v_cache, mask)))
+
+
+def attention_block(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    mask: Tensor, n_heads: int, scale: float) -> Tensor:
+    """One attention layer between its projections in one C call: rope on q and k (HF's ``rotate_half``,
+    rounded op by op as torch rounds bf16), the block's K/V rows written into the cache at ``write_pos``,
+    then every query row as ``invariant_attention`` computes it, laid out for ``o_proj``. The same bits
+    as those steps one op at a time; a layer of a dozen small ops a token becomes one call.
+
+    Shape (B requests, T new tokens, D head dim, n_kv = k_cache.shape[1], n_rep = n_heads // n_kv):
+        qkv: [B, T, (n_heads + 2 n_kv) D] contiguous: q heads, k heads, v heads
+        cos, sin: [B, T, 1, D] of one layout (D contiguous); write_pos: [B, T] int64, each below max_len
+        k_cache, v_cache: one layer's cache [B, n_kv, max_len, D] (rows contiguous), written
+        mask: [B, 1, n_rep * T, S] bool (D contiguous), S <= max_len, row ``r * T + t`` for head ``h * n_rep + r``
+        returns: [B, T, n_heads * D]
+    All float32 or all bf16 (``attention_block_fits``); no autograd; the caller checks ``cpu_gemm.available()``.
+    """
+    kernels = cpu_gemm.loaded_kernels()
+    if kernels is None:
+        raise RuntimeError("the batch-invariant attention kernel is not available here (cpu_gemm.available())")
+    if not attention_block_fits(qkv, cos, sin, write_pos, k_cache, v_cache, mask):
+        raise ValueError("attention_block: tensors outside attention_block_fits (dtypes, layouts or device)")
+    B, T, _ = qkv.shape
+    n_kv, D, S = k_cache.shape[1], k_cache.shape[-1], mask.shape[-1]
+    out = torch.empty(B, T, n_heads * D, dtype=qkv.dtype)
+    if not out.numel():
+        return out
+    rc = kernels.attention_block(B, T, n_heads, n_kv, D, qkv.data_ptr(), int(qkv.dtype is torch.bfloat16),
+                                 cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(1), write_pos.data_ptr(),
+                                 write_pos.stride(0), write_pos.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 k_cache.stride(0), k_cache.stride(1), mask.data_ptr(), mask.stride(0),
+                                 mask.stride(2), S, scale, out.data_ptr())
+    if rc:
+        raise MemoryError(f"the attention kernel could not allocate its buffers ({B * T} rows, {S} keys)")
+    return out
+
+
 def _check(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> None:
     """Host-side shape, dtype and device checks (the kernel trusts what it is given)."""
     B, H, R, D = q.shape

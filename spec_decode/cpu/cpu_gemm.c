@@ -597,3 +597,84 @@ __attribute__((target("avx2,fma"))) void safespec_rms_norm(int rows, int H, cons
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * One attention layer's work between its two projections (spec_decode/cpu/attention.py,
+ * attention_block): rope on q and k, the K/V rows written into the cache, each query row attended
+ * as safespec_attention does, and the rows laid out for o_proj, in one call instead of a dozen ops.
+ *
+ * Rope is HF's rotate_half: out[d] = x[d] * cos[d] + rot[d] * sin[d], rot[d] = -x[d + D/2] below D/2 and
+ * x[d - D/2] above. With bf16 (BF) every product and the sum round to bf16, as torch's bf16 ops do one
+ * op at a time, so the roped rows carry the bits of the torch expression. */
+static inline float round_as(float f, const int BF) { return BF ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline void store1(void *p, size_t i, float f, const int BF) {
+    if (BF) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+static void rope_row(const void *x, size_t x0, const void *cos, const void *sin, size_t c0, int D, const int BF,
+                     float *dst) {
+    const int half = D / 2;
+    for (int d = 0; d < D; d++) {
+        const float a = round_as(load1(x, x0 + d, BF) * load1(cos, c0 + d, BF), BF);
+        const float r = d < half ? -load1(x, x0 + d + half, BF) : load1(x, x0 + d - half, BF);
+        const float b = round_as(r * load1(sin, c0 + d, BF), BF);
+        dst[d] = round_as(a + b, BF);
+    }
+}
+
+/* qkv: [B, T, (NH + 2 NKV) D] contiguous: the q heads, then the k heads, then the v heads; cos, sin: D
+ * values a row at element strides (cs_sb, cs_st); pos: the rows' cache positions, int64 at strides
+ * (pos_sb, pos_st); kc, vc: one layer's cache [B, NKV, >= S, D] at strides (kv_sb, kv_sh, D); mask:
+ * [B, R, S] bytes at strides (m_sb, m_sr, 1), R = (NH / NKV) T, the same for every kv head: row
+ * rep * T + t serves query head h * (NH / NKV) + rep of token t; out: [B, T, NH D] contiguous.
+ * Everything float32 or (BF) bf16. Returns 0, or -1 when out of memory (nothing written then). */
+__attribute__((target("avx2,fma"))) int safespec_attention_block(
+        int B, int T, int NH, int NKV, int D, const void *qkv, int BF, const void *cos, const void *sin,
+        int64_t cs_sb, int64_t cs_st, const int64_t *pos, int64_t pos_sb, int64_t pos_st, void *kc, void *vc,
+        int64_t kv_sb, int64_t kv_sh, const uint8_t *mask, int64_t m_sb, int64_t m_sr, int S, float scale,
+        void *out) {
+    const size_t W = (size_t)(NH + 2 * NKV) * D;
+    const int n_rep = NH / NKV;
+    float *q = malloc(sizeof(float) * ((size_t)B * T * NH * D + 3 * (size_t)(D > 0 ? D : 1)));
+    int *idx = malloc(sizeof(int) * (size_t)(S > 0 ? S : 1));
+    float *p = malloc(sizeof(float) * (size_t)(S > 0 ? S : 1));
+    if (!q || !idx || !p) {
+        free(q);
+        free(idx);
+        free(p);
+        return -1;
+    }
+    float *qs = q + (size_t)B * T * NH * D, *acc = qs + D, *krow = acc + D;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const size_t x0 = ((size_t)b * T + t) * W, c0 = (size_t)(b * cs_sb + t * cs_st);
+            const size_t row = (size_t)pos[b * pos_sb + t * pos_st];
+            for (int h = 0; h < NH; h++)
+                rope_row(qkv, x0 + (size_t)h * D, cos, sin, c0, D, BF, q + (((size_t)b * T + t) * NH + h) * D);
+            for (int h = 0; h < NKV; h++) {
+                const size_t dst = (size_t)(b * kv_sb + h * kv_sh) + row * D;
+                rope_row(qkv, x0 + (size_t)(NH + h) * D, cos, sin, c0, D, BF, krow);
+                for (int d = 0; d < D; d++) store1(kc, dst + d, krow[d], BF);
+                if (BF) memcpy((uint16_t *)vc + dst, (const uint16_t *)qkv + x0 + (size_t)(NH + NKV + h) * D, 2 * (size_t)D);
+                else memcpy((float *)vc + dst, (const float *)qkv + x0 + (size_t)(NH + NKV + h) * D, 4 * (size_t)D);
+            }
+        }
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NKV; h++)
+            for (int rep = 0; rep < n_rep; rep++)
+                for (int t = 0; t < T; t++) {
+                    const int hq = h * n_rep + rep;
+                    const float *qr = q + (((size_t)b * T + t) * NH + hq) * D;
+                    for (int d = 0; d < D; d++) qs[d] = qr[d] * scale;
+                    attend_row(S, D, qs, kc, vc, (size_t)(b * kv_sb + h * kv_sh), BF,
+                               mask + b * m_sb + (rep * T + t) * m_sr, idx, p, acc);
+                    const size_t o0 = ((size_t)b * T + t) * NH * D + (size_t)hq * D;
+                    for (int d = 0; d < D; d++) store1(out, o0 + d, acc[d], BF);
+                }
+    free(q);
+    free(idx);
+    free(p);
+    return 0;
+}

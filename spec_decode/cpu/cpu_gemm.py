@@ -250,6 +250,7 @@ class _Kernels:
     bf16: ctypes._CFuncPtr   # safespec_panel_linear_bf16 (returns 0, or -1 when out of memory)
     attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
     rms_norm: ctypes._CFuncPtr   # safespec_rms_norm (spec_decode.cpu.norm)
+    attention_block: ctypes._CFuncPtr   # safespec_attention_block (spec_decode.cpu.attention; 0, or -1: no memory)
     isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
     fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
@@ -262,7 +263,7 @@ def loaded_kernels() -> _Kernels | None:
     try:
         lib = ctypes.CDLL(str(_build()))
         fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
-        rms_norm = lib.safespec_rms_norm
+        rms_norm, attention_block = lib.safespec_rms_norm, lib.safespec_attention_block
         isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
@@ -279,9 +280,14 @@ def loaded_kernels() -> _Kernels | None:
     rms_norm.restype = None
     # (rows, H, x, x_bf16, w, w_bf16, eps, out, out_bf16)
     rms_norm.argtypes = [i32, i32, ptr, i32, ptr, i32, ctypes.c_float, ptr, i32]
+    attention_block.restype = ctypes.c_int
+    # (B, T, NH, NKV, D, qkv, bf16, cos, sin, cos/sin strides x2, pos, pos strides x2, k cache, v cache,
+    #  cache strides x2, mask, mask strides x2, S, scale, out)
+    attention_block.argtypes = ([i32] * 5 + [ptr, i32, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr,
+                                             i64, i64, i32, ctypes.c_float, ptr])
     isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
     fma_peak.restype, fma_peak.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
-    return _Kernels(fp32, bf16, attention, rms_norm, isa, fma_peak)
+    return _Kernels(fp32, bf16, attention, rms_norm, attention_block, isa, fma_peak)
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.capability import KERNELS_MISSING
-from spec_decode.cpu.attention import invariant_attention
+from spec_decode.cpu.attention import attention_block, attention_block_fits, invariant_attention
 from spec_decode.cpu.norm import invariant_rms_norm
 from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import apply_rope
@@ -119,7 +119,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         n_rep = nh // nkv
-        qk, v = self.qkv_proj(x).view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
+        qkv = self.qkv_proj(x)
+        keys, values = cache.k[layer], cache.v[layer]
+        if (not self.exact_nan and self._invariant(qkv, keys)
+                and attention_block_fits(qkv, li.cos, li.sin, li.write_pos, keys, values, li.mask)):
+            # the steps below in one call, with their bits
+            return self.o_proj(attention_block(qkv, li.cos, li.sin, li.write_pos, keys, values, li.mask, nh,
+                                               D ** -0.5))
+        qk, v = qkv.view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
         q, k = apply_rope(qk, li.cos, li.sin).split((nh, nkv), dim=2)  # rope on q and k in one pass
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, D)
         cache.write_rows(layer, li.row_index, k, v)

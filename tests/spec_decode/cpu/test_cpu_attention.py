@@ -106,3 +106,90 @@ def test_bad_inputs_are_named():
         invariant_attention(q, k, v.bfloat16(), mask, 1.0)
     with pytest.raises(ValueError, match="invariant_attention"):
         invariant_attention(q, k, v, mask[..., None], 1.0)
+
+
+def _two_ways(model, run):
+    """``run(model)``'s outputs with the fused attention block and with the layer's ops one at a time."""
+    from spec_decode.cpu import attention as cpu_attention
+    from spec_decode.models import layers
+
+    fused = run(model)
+    calls = []
+    original = layers.attention_block
+    try:
+        layers.attention_block = lambda *a, **k: calls.append(1) or original(*a, **k)
+        assert run(model) is not None and calls, "the fused block did not run"
+        layers.attention_block_fits = lambda *a, **k: False
+        unfused = run(model)
+    finally:
+        layers.attention_block = original
+        layers.attention_block_fits = cpu_attention.attention_block_fits
+    return fused, unfused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3), (3, 1), (4, 4)])
+def test_the_fused_block_gives_the_layer_ops_bits(tmp_path, dtype, heads):
+    """Prefill of padded prompts, one-token decode, a 5-token chain and a tree block, a batch of 3: the
+    logits and every cache row equal the unfused path's (rope op by op, cache writes, attention)."""
+    from spec_decode.models import Transformer
+    from tiny_models import make_tiny_target
+
+    nh, nkv = heads
+    path = make_tiny_target(tmp_path, seed=3, num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=8 * nh)
+    model = Transformer.from_pretrained(path, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, 97, (3, 9), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2])   # a tree of 5 nodes under the last token
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for j in range(5):
+        i = j
+        while i >= 0:
+            tree[j, i] = True
+            i = int(parents[i])
+
+    @torch.no_grad()
+    def run(m):
+        cache = m.new_cache(3, 32)
+        outs = [m(prompts, cache, input_lens=torch.tensor([9, 6, 4])).logits]
+        cache.commit(torch.tensor([9, 6, 4]))
+        outs.append(m(prompts[:, :1], cache, kv_len=16).logits)
+        cache.commit(torch.ones(3, dtype=torch.long))
+        outs.append(m(prompts[:, 1:6], cache).logits)
+        cache.commit(torch.tensor([5, 2, 0]))
+        outs.append(m(prompts[:, 2:7], cache, tree_mask=tree.expand(3, 5, 5)).logits)
+        return outs + [cache.k, cache.v]
+
+    fused, unfused = _two_ways(model, run)
+    for a, b in zip(fused, unfused):
+        assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_block_reaches_exactly_the_rows_that_see_a_poisoned_cache_row(dtype):
+    """A NaN key or an Inf value already in the cache reaches the query rows whose mask shows it, and no other
+    (a masked row is never read, so not even a zero weight meets it)."""
+    from spec_decode.cpu.attention import attention_block
+
+    B, T, nh, nkv, D, S = 1, 3, 4, 2, 8, 7
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * D, generator=g).to(dtype)
+    cos_sin = torch.randn(B, T, 1, 2 * D, generator=g).to(dtype)
+    k_cache = torch.randn(B, nkv, 10, D, generator=g).to(dtype)
+    v_cache = torch.randn(B, nkv, 10, D, generator=g).to(dtype)
+    k_cache[0, 0, 1, 3] = float("nan")        # kv head 0, cache row 1
+    v_cache[0, 1, 2, 0] = float("inf")        # kv head 1, cache row 2
+    write_pos = torch.tensor([[4, 5, 6]])
+    mask = torch.zeros(B, 1, 2 * T, S, dtype=torch.bool)
+    mask[..., 0] = True
+    for rep in range(2):
+        for t in range(T):
+            mask[0, 0, rep * T + t, 4 + t] = True     # its own row
+    mask[0, 0, 0, 1] = True                          # token 0 of heads 0 and 2 sees row 1
+    mask[0, 0, 5, 2] = True                          # token 2 of heads 1 and 3 sees row 2
+    out = attention_block(qkv, cos_sin[..., :D], cos_sin[..., D:], write_pos, k_cache, v_cache, mask, nh, D ** -0.5)
+    bad = (~out.view(B, T, nh, D).float().isfinite()).any(-1)[0]    # [T, nh]
+    want = torch.zeros(T, nh, dtype=torch.bool)
+    want[0, 0] = True                                 # kv head 0, rep 0: query head 0 at token 0
+    want[2, 3] = True                                 # kv head 1, rep 1: query head 3 at token 2
+    assert torch.equal(bad, want)
