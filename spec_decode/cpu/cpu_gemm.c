@@ -678,3 +678,26 @@ __attribute__((target("avx2,fma"))) int safespec_attention_block(
     free(p);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * SwiGLU's middle (spec_decode/cpu/mlp.py): out = silu(gate) * up from the fused gate_up projection's
+ * rows [gate | up], each element alone:
+ *   e = exp_ps(-g) (the attention kernel's exp, 8 lanes, a row's tail through the same vector code);
+ *   s = g / (e + 1), rounded to bf16 for a bf16 model (torch's cast of a float32 silu);
+ *   out = s * u, rounded once to the model's dtype.
+ * reference_silu_mul (mlp.py) repeats it in torch bit for bit. */
+__attribute__((target("avx2,fma"))) void safespec_silu_mul(int rows, int I, const void *gate_up, int BF, void *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    for (int m = 0; m < rows; m++) {
+        const size_t g0 = (size_t)m * 2 * I, u0 = g0 + I, o0 = (size_t)m * I;
+        for (int d = 0; d < I; d += 8) {
+            const int n = I - d < 8 ? I - d : 8;
+            float g[8] = {0}, s[8];
+            for (int j = 0; j < n; j++) g[j] = load1(gate_up, g0 + d + j, BF);
+            const __m256 gv = _mm256_loadu_ps(g);
+            const __m256 e = exp_ps(_mm256_xor_ps(gv, sign));
+            _mm256_storeu_ps(s, _mm256_div_ps(gv, _mm256_add_ps(e, one)));
+            for (int j = 0; j < n; j++) store1(out, o0 + d + j, round_as(s[j], BF) * load1(gate_up, u0 + d + j, BF), BF);
+        }
+    }
+}

@@ -251,6 +251,7 @@ class _Kernels:
     attention: ctypes._CFuncPtr   # safespec_attention (spec_decode.cpu.attention; 0, or -1 when out of memory)
     rms_norm: ctypes._CFuncPtr   # safespec_rms_norm (spec_decode.cpu.norm)
     attention_block: ctypes._CFuncPtr   # safespec_attention_block (spec_decode.cpu.attention; 0, or -1: no memory)
+    silu_mul: ctypes._CFuncPtr   # safespec_silu_mul (spec_decode.cpu.mlp)
     isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
     fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
@@ -264,6 +265,7 @@ def loaded_kernels() -> _Kernels | None:
         lib = ctypes.CDLL(str(_build()))
         fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
         rms_norm, attention_block = lib.safespec_rms_norm, lib.safespec_attention_block
+        silu_mul = lib.safespec_silu_mul
         isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
@@ -285,9 +287,11 @@ def loaded_kernels() -> _Kernels | None:
     #  cache strides x2, mask, mask strides x2, S, scale, out)
     attention_block.argtypes = ([i32] * 5 + [ptr, i32, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr,
                                              i64, i64, i32, ctypes.c_float, ptr])
+    silu_mul.restype = None
+    silu_mul.argtypes = [i32, i32, ptr, i32, ptr]   # (rows, I, gate_up, bf16, out)
     isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
     fma_peak.restype, fma_peak.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
-    return _Kernels(fp32, bf16, attention, rms_norm, attention_block, isa, fma_peak)
+    return _Kernels(fp32, bf16, attention, rms_norm, attention_block, silu_mul, isa, fma_peak)
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.capability import KERNELS_MISSING
 from spec_decode.cpu.attention import attention_block, attention_block_fits, invariant_attention
+from spec_decode.cpu.mlp import silu_mul
 from spec_decode.cpu.norm import invariant_rms_norm
 from spec_decode.models.config import ModelConfig
 from spec_decode.models.rope import apply_rope
@@ -163,8 +164,9 @@ class MLP(nn.Module):
     checkpoints keep ``gate_proj``/``up_proj``).
 
     ``batch_invariant`` (None or True: on; ``set_batch_invariant``): on the CPU in float32 and bf16,
-    eager and without autograd, silu is ``_silu_per_element``, whose bits do not depend on where a thread's share of the
-    tensor ends.
+    eager and without autograd, ``silu(gate) * up`` is one C call element by element
+    (``spec_decode.cpu.mlp``) where ``cpu_gemm.available()``, else ``_silu_per_element``: either way no
+    element's bits depend on where a thread's share of the tensor ends.
     """
 
     batch_invariant: bool | None = None
@@ -177,10 +179,14 @@ class MLP(nn.Module):
         _keep_published_keys(self, "gate_up_proj", (("gate_proj", I), ("up_proj", I)))
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, I) each
+        gate_up = self.gate_up_proj(x)                     # (B, T, 2I): [gate | up]
         if (self.batch_invariant is not False and x.is_cpu and x.dtype in cpu_gemm.KERNEL_DTYPES
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            if gate_up.dtype is x.dtype and cpu_gemm.available():
+                return self.down_proj(silu_mul(gate_up))   # the lines below in one call, element by element
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(_silu_per_element(gate) * up)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
