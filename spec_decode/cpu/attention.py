@@ -62,10 +62,11 @@ def invariant_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, s
     return out
 
 
-def attention_block_fits(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_cache: Tensor,
-                         v_cache: Tensor, mask: Tensor) -> bool:
+def attention_block_fits(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Tensor, kv: tuple[Tensor, Tensor],
+                         mask: Tensor) -> bool:
     """Whether ``attention_block`` takes these tensors (its docstring's shapes, dtypes and layouts); where it
     does not, the layer's ops one at a time give the same bits."""
+    (cos, sin), (k_cache, v_cache) = rope, kv
     dtype = qkv.dtype
     D = k_cache.shape[-1]
     return (dtype in cpu_gemm.KERNEL_DTYPES and cos.dtype is dtype and sin.dtype is dtype
@@ -76,7 +77,7 @@ def attention_block_fits(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tenso
             and all(t.is_cpu for t in (qkv, cos, sin, write_pos, k_cache, v_cache, mask)))
 
 
-def attention_block(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+def attention_block(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Tensor, kv: tuple[Tensor, Tensor],
                     mask: Tensor, n_heads: int, scale: float) -> Tensor:
     """One attention layer between its projections in one C call: rope on q and k (HF's ``rotate_half``,
     rounded op by op as torch rounds bf16), the block's K/V rows written into the cache at ``write_pos``,
@@ -85,8 +86,9 @@ def attention_block(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_
 
     Shape (B requests, T new tokens, D head dim, n_kv = k_cache.shape[1], n_rep = n_heads // n_kv):
         qkv: [B, T, (n_heads + 2 n_kv) D] contiguous: q heads, k heads, v heads
-        cos, sin: [B, T, 1, D] of one layout (D contiguous); write_pos: [B, T] int64, each below max_len
-        k_cache, v_cache: one layer's cache [B, n_kv, max_len, D] (rows contiguous), written
+        rope: (cos, sin), [B, T, 1, D] each, of one layout (D contiguous)
+        write_pos: [B, T] int64, each below max_len
+        kv: (k_cache, v_cache), one layer's cache [B, n_kv, max_len, D] each (rows contiguous), written
         mask: [B, 1, n_rep * T, S] bool (D contiguous), S <= max_len, row ``r * T + t`` for head ``h * n_rep + r``
         returns: [B, T, n_heads * D]
     All float32 or all bf16 (``attention_block_fits``); no autograd; the caller checks ``cpu_gemm.available()``.
@@ -94,7 +96,8 @@ def attention_block(qkv: Tensor, cos: Tensor, sin: Tensor, write_pos: Tensor, k_
     kernels = cpu_gemm.loaded_kernels()
     if kernels is None:
         raise RuntimeError("the batch-invariant attention kernel is not available here (cpu_gemm.available())")
-    if not attention_block_fits(qkv, cos, sin, write_pos, k_cache, v_cache, mask):
+    (cos, sin), (k_cache, v_cache) = rope, kv
+    if not attention_block_fits(qkv, rope, write_pos, kv, mask):
         raise ValueError("attention_block: tensors outside attention_block_fits (dtypes, layouts or device)")
     B, T, _ = qkv.shape
     n_kv, D, S = k_cache.shape[1], k_cache.shape[-1], mask.shape[-1]

@@ -121,12 +121,11 @@ class Attention(nn.Module):
         nh, nkv, D = self.n_heads, self.n_kv, self.head_dim
         n_rep = nh // nkv
         qkv = self.qkv_proj(x)
-        keys, values = cache.k[layer], cache.v[layer]
-        if (not self.exact_nan and self._invariant(qkv, keys)
-                and attention_block_fits(qkv, li.cos, li.sin, li.write_pos, keys, values, li.mask)):
+        rope, kv = (li.cos, li.sin), (cache.k[layer], cache.v[layer])
+        if (not self.exact_nan and self._invariant(qkv, kv[0])
+                and attention_block_fits(qkv, rope, li.write_pos, kv, li.mask)):
             # the steps below in one call, with their bits
-            return self.o_proj(attention_block(qkv, li.cos, li.sin, li.write_pos, keys, values, li.mask, nh,
-                                               D ** -0.5))
+            return self.o_proj(attention_block(qkv, rope, li.write_pos, kv, li.mask, nh, D ** -0.5))
         qk, v = qkv.view(B, T, nh + 2 * nkv, D).split((nh + nkv, nkv), dim=2)
         q, k = apply_rope(qk, li.cos, li.sin).split((nh, nkv), dim=2)  # rope on q and k in one pass
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh|nkv, T, D)

@@ -187,7 +187,8 @@ def test_the_fused_block_reaches_exactly_the_rows_that_see_a_poisoned_cache_row(
             mask[0, 0, rep * T + t, 4 + t] = True     # its own row
     mask[0, 0, 0, 1] = True                          # token 0 of heads 0 and 2 sees row 1
     mask[0, 0, 5, 2] = True                          # token 2 of heads 1 and 3 sees row 2
-    out = attention_block(qkv, cos_sin[..., :D], cos_sin[..., D:], write_pos, k_cache, v_cache, mask, nh, D ** -0.5)
+    rope = (cos_sin[..., :D], cos_sin[..., D:])
+    out = attention_block(qkv, rope, write_pos, (k_cache, v_cache), mask, nh, D ** -0.5)
     bad = (~out.view(B, T, nh, D).float().isfinite()).any(-1)[0]    # [T, nh]
     want = torch.zeros(T, nh, dtype=torch.bool)
     want[0, 0] = True                                 # kv head 0, rep 0: query head 0 at token 0
