@@ -100,7 +100,8 @@ class Attention(nn.Module):
     ``batch_invariant`` (None or True: on; False: off; ``set_batch_invariant``): on the CPU, in float32
     and bf16 where ``cpu_gemm.available()``, eager and without autograd, each query row attends alone
     over the keys it may see, in cache-row order (``spec_decode.cpu.attention``), so its bits depend
-    neither on ``kv_len``, the block width nor the batch. Elsewhere, and off, it is SDPA.
+    neither on ``kv_len``, the block width nor the batch; with ``exact_nan`` off, rope, the cache writes
+    and that attention are one C call (``attention_block``, the same bits). Elsewhere, and off, it is SDPA.
     """
 
     batch_invariant: bool | None = None
@@ -220,7 +221,8 @@ class DecoderLayer(nn.Module):
 
 
 def set_batch_invariant(module: nn.Module, on: bool | None) -> None:
-    """Switch the batch-invariant CPU routes of every ``Linear``, ``Attention``, ``MLP`` and ``RMSNorm`` in ``module``.
+    """Switch the batch-invariant CPU routes of every ``Linear``, ``Attention``, ``MLP`` and ``RMSNorm`` in
+    ``module``.
 
     None (the default) or True: on where they run (the CPU, float32 and bf16, ``cpu_gemm.available()``);
     False: the fastest routes, whose bits may depend on the row count, ``kv_len`` and the batch.
