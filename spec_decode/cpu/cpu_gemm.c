@@ -35,66 +35,78 @@ load_w(const void *panels, size_t i, const int WB) {
     return _mm256_loadu_ps((const float *)panels + i);
 }
 
-/* R rows x P panels of accumulators: R * P * 2 ymm registers (at most 12 of the 16). WB: bf16 panels. */
+/* Output columns per AVX2 register: a panel is two octets, octet o is half o & 1 of panel o >> 1. */
+#define OCTET 8
+#define MAX_OCTETS 8
+
+/* Element offset of octet o's eight weights at k. */
+static inline size_t octet_at(int o, int K, int k) {
+    return ((size_t)(o >> 1) * K + k) * PANEL + (size_t)(o & 1) * OCTET;
+}
+
+/* R rows x Q octets of accumulators: R * Q ymm registers. WB: bf16 panels, each weight vector widened
+ * once a k for all rows (from 2 rows), so the accumulators, the Q widened vectors and one broadcast
+ * share the 16 registers. Octets rather than whole panels let a block of 2 or 3 rows fit that budget
+ * (5 and 3 octets) without re-widening a vector per row. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
-micro(const int R, const int P, const int WB, int K, int N, const float *x, const void *panels,
-      const float *bias, float *y, int panel0, int num_panels) {
-    __m256 acc[MAX_BLOCK_ROWS][4][2];
-    for (int p = 0; p < P; p++) {
-        const float *b = bias ? bias + (size_t)(panel0 + p) * PANEL : NULL;
-        __m256 b0 = b ? _mm256_loadu_ps(b) : _mm256_setzero_ps();
-        __m256 b1 = b ? _mm256_loadu_ps(b + 8) : _mm256_setzero_ps();
-        for (int r = 0; r < R; r++) {
-            acc[r][p][0] = b0;
-            acc[r][p][1] = b1;
-        }
+micro(const int R, const int Q, const int WB, int K, int N, const float *x, const void *panels,
+      const float *bias, float *y, int octet0, int num_panels) {
+    __m256 acc[MAX_BLOCK_ROWS][MAX_OCTETS];
+    for (int q = 0; q < Q; q++) {
+        __m256 b = bias ? _mm256_loadu_ps(bias + (size_t)(octet0 + q) * OCTET) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) acc[r][q] = b;
     }
-    /* A block of 4 or more rows streams one panel at a time (WIDE_PANELS), and one stream leaves most of
-     * the memory bandwidth idle when the weights come from DRAM (a float32 target overflows the L3):
-     * each k also prefetches its line of the next panel, one panel (K lines) ahead. Fewer rows run
-     * 2-4 panels side by side, where prefetching measured slower. No arithmetic changes. */
-    const char *next = (const char *)panels + ((size_t)(panel0 + 1) * K * PANEL << (WB ? 1 : 2));
-    const int prefetch = R >= 4 && panel0 + 1 < num_panels;
+    /* A block of 4 or more rows streams few panels at once, and few streams leave most of the memory
+     * bandwidth idle when the weights come from DRAM (a float32 target overflows the L3): each k also
+     * prefetches its line of the panel after this call's last. Fewer rows run more panels side by side,
+     * where prefetching measured slower. No arithmetic changes. */
+    const int next_panel = ((octet0 + Q - 1) >> 1) + 1;
+    const char *next = (const char *)panels + ((size_t)next_panel * K * PANEL << (WB ? 1 : 2));
+    const int prefetch = R >= 4 && next_panel < num_panels;
     for (int k = 0; k < K; k++) {
-        size_t w = ((size_t)panel0 * K + k) * PANEL;   /* element offset of this k in the first panel */
         if (prefetch && (!WB || (k & 1) == 0))   /* 16 bf16 weights are half a cache line */
             _mm_prefetch(next + ((size_t)k * PANEL << (WB ? 1 : 2)), _MM_HINT_T0);
-        for (int r = 0; r < R; r++) {   /* one broadcast live at a time: the accumulators keep the registers */
-            __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
-            for (int p = 0; p < P; p++) {
-                size_t wp = w + (size_t)p * K * PANEL;
-                acc[r][p][0] = _mm256_fmadd_ps(xv, load_w(panels, wp, WB), acc[r][p][0]);
-                acc[r][p][1] = _mm256_fmadd_ps(xv, load_w(panels, wp + 8, WB), acc[r][p][1]);
+        if (WB && R >= 2) {   /* widen each weight vector once for all rows */
+            __m256 wv[MAX_OCTETS];
+            for (int q = 0; q < Q; q++) wv[q] = load_w(panels, octet_at(octet0 + q, K, k), 1);
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
+                for (int q = 0; q < Q; q++) acc[r][q] = _mm256_fmadd_ps(xv, wv[q], acc[r][q]);
+            }
+        } else {    /* one broadcast live at a time: the accumulators keep the registers */
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
+                for (int q = 0; q < Q; q++)
+                    acc[r][q] = _mm256_fmadd_ps(xv, load_w(panels, octet_at(octet0 + q, K, k), WB), acc[r][q]);
             }
         }
     }
-    for (int p = 0; p < P; p++) {
-        int n0 = (panel0 + p) * PANEL;
-        int valid = N - n0 < PANEL ? N - n0 : PANEL;
+    for (int q = 0; q < Q; q++) {
+        int n0 = (octet0 + q) * OCTET;
+        int valid = N - n0 < OCTET ? N - n0 : OCTET;
         for (int r = 0; r < R; r++) {
             float *out = y + (size_t)r * N + n0;
-            if (valid == PANEL) {
-                _mm256_storeu_ps(out, acc[r][p][0]);
-                _mm256_storeu_ps(out + 8, acc[r][p][1]);
-            } else {   /* the zero-padded last panel: keep its real columns */
-                float tmp[PANEL];
-                _mm256_storeu_ps(tmp, acc[r][p][0]);
-                _mm256_storeu_ps(tmp + 8, acc[r][p][1]);
+            if (valid == OCTET) {
+                _mm256_storeu_ps(out, acc[r][q]);
+            } else {   /* the zero-padded last octet: keep its real columns */
+                float tmp[OCTET];
+                _mm256_storeu_ps(tmp, acc[r][q]);
                 memcpy(out, tmp, (size_t)valid * sizeof(float));
             }
         }
     }
 }
 
-/* Panels per microkernel call for a block of R rows: as many accumulators as the registers hold. */
-#define WIDE_PANELS(R) ((R) == 1 ? 4 : (R) == 2 ? 3 : (R) == 3 ? 2 : 1)
+/* Octets per microkernel call for a block of R rows: accumulators and widened weights within the
+ * 16 registers. */
+#define WIDE_OCTETS(R) ((R) == 1 ? 8 : (R) == 2 ? 5 : (R) == 3 ? 3 : 2)
 
-#define ROW_BLOCK(R, WB)                                                                 \
-    do {                                                                                 \
-        int p = 0;                                                                       \
-        for (; p + WIDE_PANELS(R) <= num_panels; p += WIDE_PANELS(R))                    \
-            micro(R, WIDE_PANELS(R), WB, K, N, x, panels, bias, y, p, num_panels);       \
-        for (; p < num_panels; p++) micro(R, 1, WB, K, N, x, panels, bias, y, p, num_panels); \
+#define ROW_BLOCK(R, WB)                                                                  \
+    do {                                                                                  \
+        int o = 0;                                                                        \
+        for (; o + WIDE_OCTETS(R) <= num_octets; o += WIDE_OCTETS(R))                     \
+            micro(R, WIDE_OCTETS(R), WB, K, N, x, panels, bias, y, o, num_panels);        \
+        for (; o < num_octets; o++) micro(R, 1, WB, K, N, x, panels, bias, y, o, num_panels); \
     } while (0)
 
 #define ROW_BLOCKS(WB)                      \
@@ -109,7 +121,7 @@ micro(const int R, const int P, const int WB, int K, int N, const float *x, cons
 
 __attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, const float *x, const void *panels,
                                                       int panels_bf16, const float *bias, float *y) {
-    int num_panels = (N + PANEL - 1) / PANEL;
+    int num_panels = (N + PANEL - 1) / PANEL, num_octets = (N + OCTET - 1) / OCTET;
     if (panels_bf16) {
         ROW_BLOCKS(1)
     } else {
@@ -274,11 +286,12 @@ int safespec_fma_peak(int want_isa, long steps, float *sink) {
     return 8;
 }
 
-/* Rows per block: AVX-512F splits M into near-equal blocks of at most MAX_BLOCK_ROWS_512 rows (a block's
- * size changes no output: every row's outputs are the same chains in any block). */
+/* Rows per block: M splits into near-equal blocks of at most MAX_BLOCK_ROWS (or _512) rows, so no block
+ * of one or two rows reads every weight again for little work (a block's size changes no output: every
+ * row's outputs are the same chains in any block). */
 static inline int block_rows(int M, int m0, int avx512) {
-    if (!avx512) return M - m0 < MAX_BLOCK_ROWS ? M - m0 : MAX_BLOCK_ROWS;
-    int left = M - m0, blocks = (left + MAX_BLOCK_ROWS_512 - 1) / MAX_BLOCK_ROWS_512;
+    int most = avx512 ? MAX_BLOCK_ROWS_512 : MAX_BLOCK_ROWS;
+    int left = M - m0, blocks = (left + most - 1) / most;
     return (left + blocks - 1) / blocks;
 }
 
