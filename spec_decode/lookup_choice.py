@@ -48,6 +48,12 @@ def nondecreasing_fit(costs: Mapping[int, float]) -> dict[int, float]:
     return dict(zip(rows, fitted))
 
 
+def relative_to_one_row(costs: Mapping[int, float]) -> dict[int, float]:
+    """``costs`` divided by its 1-row cost, so ``c(1) == 1.0`` again after a fit that pooled the first rows
+    (a 2-row block timing faster than one row). Dividing every cost by one number changes no choice."""
+    return {rows: cost / costs[1] for rows, cost in costs.items()}
+
+
 def choose_lookup_drafts(costs: Mapping[int, float], pass_rate: float, max_drafts: int) -> int:
     """The draft count ``n`` in ``1..max_drafts`` maximizing ``E(n) / c(n + 1)`` (ties: the fewest).
 
@@ -100,9 +106,11 @@ class LookupAuto:
 
     def calibrate(self, target) -> dict[int, float]:
         """The costs of blocks of 1 to ``max_drafts + 1`` rows of ``target``: measured (or read from the
-        disk cache) at the first call only, then made nondecreasing in the rows (``nondecreasing_fit``)."""
+        disk cache) at the first call only, then made nondecreasing in the rows (``nondecreasing_fit``) and
+        relative to one row again (``relative_to_one_row``)."""
         if self.costs is None:
-            self.costs = nondecreasing_fit(measure_verify_costs(target, range(1, self.max_drafts + 2)))
+            measured = measure_verify_costs(target, range(1, self.max_drafts + 2))
+            self.costs = relative_to_one_row(nondecreasing_fit(measured))
         return self.costs
 
     def choose(self, regime: str) -> int:

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import AVX2_LIKE, FLAT
 from spec_decode.lookup_choice import (LookupAuto, LookupPassRate, choose_lookup_drafts, expected_tokens,
-                                      nondecreasing_fit)
+                                      nondecreasing_fit, relative_to_one_row)
 
 ROWS = range(1, 13)   # a lookup step of up to 11 drafts, as spec-bench's eagle3_lookup
 
@@ -107,3 +107,17 @@ def test_lookup_auto_never_chases_a_block_that_timed_fast(verify_cost_curve, tin
     auto = LookupAuto(11)
     costs = auto.calibrate(tiny_target)
     assert list(costs.values()) == sorted(costs.values()) and costs[6] > raw[6]   # the dip is pooled away
+
+
+def test_costs_stay_relative_to_one_row_when_two_rows_timed_faster(verify_cost_curve, tiny_target):
+    """Noise can time a 2-row block below one row; the fit pools them below 1.0, and the decoder's costs are
+    divided back to ``c(1) == 1.0`` (results.json's contract) without changing the choice."""
+    fast_two = lambda n: {1: 1.0, 2: 0.9}.get(n, 1.0 + 0.1 * n)   # noqa: E731
+    verify_cost_curve(fast_two)
+    pooled = nondecreasing_fit({n: fast_two(n) for n in ROWS})
+    assert pooled[1] == pytest.approx(0.95)   # what the fit alone gives
+    costs = LookupAuto(11).calibrate(tiny_target)
+    assert costs[1] == 1.0 and costs == pytest.approx(relative_to_one_row(pooled))
+    assert list(costs.values()) == sorted(costs.values())
+    for p in (0.2, 0.6, 0.95):
+        assert choose_lookup_drafts(costs, p, 11) == choose_lookup_drafts(pooled, p, 11)

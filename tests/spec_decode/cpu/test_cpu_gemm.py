@@ -29,7 +29,8 @@ SHAPES = [(1, 1, 1), (1, 192, 5), (2, 3, 16), (3, 7, 17), (5, 192, 320), (6, 33,
           (13, 19, 100), (4, 512, 48),
           # blocks of 1, 2, 3 and 4 rows over many octets (8, 6, 4 and 3 octets a call, calls that
           # straddle two panels, then single octets up to a partial last one); several blocks of rows:
-          # 8 rows as 4 + 4, 13 as 5 + 4 + 4, a prefill's 100; and the prefetch's last panel
+          # 8 rows as 6 + 2, 13 as 6 + 6 + 1, a prefill's 100 (its last block of 4); and the prefetch's
+          # last panel
           (1, 40, 203), (2, 24, 467), (3, 19, 407), (8, 24, 467), (13, 19, 407), (100, 33, 300)]
 
 
