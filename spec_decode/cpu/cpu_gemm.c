@@ -4,7 +4,8 @@
  * Built and loaded by spec_decode/cpu/cpu_gemm.py (see its docstring for why and when it is used).
  *
  * W comes packed in panels of 16 output columns, [ceil(N / 16), K, 16] (zero padded), so a
- * microkernel streams each panel once, contiguously, for a block of up to 6 rows of x. Every
+ * microkernel streams a few panels (or, on AVX2, octets: half panels) contiguously, for a block of
+ * up to 6 rows of x (12 on AVX-512F). Every
  * output starts at bias (or 0) and takes one fused multiply-add per k, acc = fma(x[m, k],
  * W[n, k], acc), for k = 0, 1, ..., K - 1 in that order. So an output depends neither on M nor on
  * the other rows (batch invariant), and a torch loop over k that emulates each FMA exactly gives

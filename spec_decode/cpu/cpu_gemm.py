@@ -256,6 +256,15 @@ class _Kernels:
     fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
 
+def panel_linear_functions(lib: ctypes.CDLL) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """``lib``'s ``safespec_panel_linear`` and ``safespec_panel_linear_bf16`` with their argument and result
+    types: (M, K, N, x, panels, panels_bf16, bias, y); the bf16 one returns 0, or -1 when out of memory."""
+    fp32, bf16 = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16
+    fp32.restype, bf16.restype = None, ctypes.c_int
+    fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
+    return fp32, bf16
+
+
 @functools.cache
 def loaded_kernels() -> _Kernels | None:
     """The loaded kernels (ctypes functions), or None where they cannot run."""
@@ -263,7 +272,7 @@ def loaded_kernels() -> _Kernels | None:
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
-        fp32, bf16, attention = lib.safespec_panel_linear, lib.safespec_panel_linear_bf16, lib.safespec_attention
+        (fp32, bf16), attention = panel_linear_functions(lib), lib.safespec_attention
         rms_norm, attention_block = lib.safespec_rms_norm, lib.safespec_attention_block
         silu_mul = lib.safespec_silu_mul
         isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
@@ -271,9 +280,6 @@ def loaded_kernels() -> _Kernels | None:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
                       f"use torch's kernels", RuntimeWarning, stacklevel=3)
         return None
-    fp32.restype, bf16.restype = None, ctypes.c_int
-    # (M, K, N, x, panels, panels_bf16, bias, y)
-    fp32.argtypes = bf16.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 2
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     attention.restype = ctypes.c_int
     # (B, H, R, S, D, q, q_bf16, q strides x3, k, v, kv_bf16, kv strides x2, mask, mask strides x2, scale, out, out_bf16)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not (X86_AVX2 and HAS_CC),
 
 SHAPES = [(1, 1, 1), (1, 192, 5), (2, 3, 16), (3, 7, 17), (5, 192, 320), (6, 33, 40), (7, 65, 31),
           (13, 19, 100), (4, 512, 48),
-          # blocks of 1, 2, 3 and 4 rows over many octets (8, 6, 4 and 3 octets a call, calls that
+          # blocks of 1, 2, 3 and 4 rows over many octets (8, 5, 3 and 2 octets a call, calls that
           # straddle two panels, then single octets up to a partial last one); several blocks of rows:
           # 8 rows as 6 + 2, 13 as 6 + 6 + 1, a prefill's 100 (its last block of 4); and the prefetch's
           # last panel
