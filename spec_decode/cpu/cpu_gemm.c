@@ -332,11 +332,74 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* 8 float32 values from element i of a float32 or (BF) bf16 array, widened exactly. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
+load8(const void *p, size_t i, const int BF) {
+    if (BF) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float load1(const void *p, size_t i, const int BF) {
+    return BF ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float round_as(float f, const int BF) { return BF ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline void store1(void *p, size_t i, float f, const int BF) {
+    if (BF) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+/* Eight float32 values rounded to bf16 lane by lane exactly as f32_to_bf16 rounds one (NaN -> 0x7fc0): the
+ * bf16 bits in the low half of each 32-bit lane. */
+__attribute__((target("avx2,fma"))) static inline __m256i bf16_bits8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+
+/* round_as for eight lanes. */
+__attribute__((target("avx2,fma"))) static inline __m256 round8(__m256 f, const int BF) {
+    return BF ? _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16)) : f;
+}
+
+/* store1 for eight lanes, at elements i .. i + 7. */
+__attribute__((target("avx2,fma"))) static inline void store8(void *p, size_t i, __m256 f, const int BF) {
+    if (BF) {
+        const __m256i r = bf16_bits8(f);   /* each lane <= 0xffff, so the unsigned saturating pack is exact */
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + i),
+                         _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+    } else {
+        _mm256_storeu_ps((float *)p + i, f);
+    }
+}
+
+/* dst[i] = load1(src, i, BF) for i < n: whole octets by load8, the rest one at a time (exact either way). */
+__attribute__((target("avx2,fma"))) static void widen_row(size_t n, const void *src, const int BF, float *dst) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src, i, BF));
+    for (; i < n; i++) dst[i] = load1(src, i, BF);
+}
+
+/* store1(dst, at + i, src[i], BF) for i < n: whole octets by store8, the rest one at a time (the same rounding). */
+__attribute__((target("avx2,fma"))) static void narrow_row(size_t n, const float *src, void *dst, size_t at,
+                                                        const int BF) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(dst, at + i, _mm256_loadu_ps(src + i), BF);
+    for (; i < n; i++) store1(dst, at + i, src[i], BF);
+}
+
 /* The same projection for bf16 x and y: x goes up to float32 (exactly), the float32 result of
  * safespec_panel_linear rounds to bf16 once. A block of rows at a time, through small buffers.
  * Returns 0, or -1 when the buffers cannot be allocated (y is then left as it was). */
-int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x, const void *panels, int panels_bf16,
-                               const float *bias, uint16_t *y) {
+__attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x,
+                                                                  const void *panels, int panels_bf16,
+                                                                  const float *bias, uint16_t *y) {
     const int avx512 = isa() == 2;
     const size_t most = avx512 ? MAX_BLOCK_ROWS_512 : MAX_BLOCK_ROWS;
     float *xf = malloc(sizeof(float) * most * (K > 0 ? K : 1));
@@ -348,9 +411,9 @@ int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x, const voi
     }
     for (int m0 = 0; m0 < M;) {
         int rows = block_rows(M, m0, avx512);
-        for (size_t i = 0; i < (size_t)rows * K; i++) xf[i] = bf16_to_f32(x[(size_t)m0 * K + i]);
+        widen_row((size_t)rows * K, x + (size_t)m0 * K, 1, xf);
         any_row_block(avx512, rows, K, N, xf, panels, panels_bf16, bias, yf);
-        for (size_t i = 0; i < (size_t)rows * N; i++) y[(size_t)m0 * N + i] = f32_to_bf16(yf[i]);
+        narrow_row((size_t)rows * N, yf, y, (size_t)m0 * N, 1);
         m0 += rows;
     }
     free(xf);
@@ -376,20 +439,6 @@ int safespec_panel_linear_bf16(int M, int K, int N, const uint16_t *x, const voi
  * a masked one never does. All arithmetic is explicit (the file builds with -ffp-contract=off), so
  * reference_attention (attention.py) reproduces it bit for bit in torch.
  */
-
-/* 8 float32 values from element i of a float32 or (BF) bf16 array, widened exactly. */
-__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
-load8(const void *p, size_t i, const int BF) {
-    if (BF) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
-static inline float load1(const void *p, size_t i, const int BF) {
-    return BF ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 /* exp of 8 float32 values, Cephes' expf: x = n ln2 + r, exp(r) = 1 + r + r^2 P(r) with P of degree 5, times
  * 2^n; inputs below -88.38 give 0 or a tiny value, NaN stays NaN. Multiplies and adds are separate
@@ -563,10 +612,7 @@ __attribute__((target("avx2,fma"))) int safespec_attention(int B, int H, int R, 
                 attend_row(S, D, qs, k, v, (size_t)(b * kv_sb + h * kv_sh), kv_bf16, mask + b * m_sb + r * m_sr,
                            idx, p, acc);
                 size_t o0 = (((size_t)b * H + h) * R + r) * D;
-                if (out_bf16)
-                    for (int d = 0; d < D; d++) ((uint16_t *)out)[o0 + d] = f32_to_bf16(acc[d]);
-                else
-                    memcpy((float *)out + o0, acc, sizeof(float) * (size_t)D);
+                narrow_row((size_t)D, acc, out, o0, out_bf16);
             }
     free(idx);
     free(p);
@@ -602,7 +648,13 @@ __attribute__((target("avx2,fma"))) void safespec_rms_norm(int rows, int H, cons
             ss = ss + v * v;
         }
         const float r = 1.0f / sqrtf(ss / (float)H + eps);
-        for (d = 0; d < H; d++) {
+        const __m256 rv = _mm256_set1_ps(r);
+        for (d = 0; d + 8 <= H; d += 8) {
+            __m256 y = _mm256_mul_ps(load8(x, x0 + d, x_bf16), rv);
+            if (x_bf16) y = round8(y, 1);
+            store8(out, x0 + d, _mm256_mul_ps(load8(w, (size_t)d, w_bf16), y), out_bf16);
+        }
+        for (; d < H; d++) {
             float y = load1(x, x0 + d, x_bf16) * r;
             if (x_bf16) y = bf16_to_f32(f32_to_bf16(y));
             const float o = load1(w, (size_t)d, w_bf16) * y;
@@ -620,17 +672,20 @@ __attribute__((target("avx2,fma"))) void safespec_rms_norm(int rows, int H, cons
  * Rope is HF's rotate_half: out[d] = x[d] * cos[d] + rot[d] * sin[d], rot[d] = -x[d + D/2] below D/2 and
  * x[d - D/2] above. With bf16 (BF) every product and the sum round to bf16, as torch's bf16 ops do one
  * op at a time, so the roped rows carry the bits of the torch expression. */
-static inline float round_as(float f, const int BF) { return BF ? bf16_to_f32(f32_to_bf16(f)) : f; }
-
-static inline void store1(void *p, size_t i, float f, const int BF) {
-    if (BF) ((uint16_t *)p)[i] = f32_to_bf16(f);
-    else ((float *)p)[i] = f;
-}
-
-static void rope_row(const void *x, size_t x0, const void *cos, const void *sin, size_t c0, int D, const int BF,
-                     float *dst) {
+__attribute__((target("avx2,fma"))) static void rope_row(const void *x, size_t x0, const void *cos, const void *sin,
+                                                      size_t c0, int D, const int BF, float *dst) {
     const int half = D / 2;
-    for (int d = 0; d < D; d++) {
+    int d = 0;
+    if (half % 8 == 0) {   /* whole octets on each side of D / 2: the same operations eight lanes at a time */
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (; d < D; d += 8) {
+            const __m256 a = round8(_mm256_mul_ps(load8(x, x0 + d, BF), load8(cos, c0 + d, BF)), BF);
+            const __m256 r = d < half ? _mm256_xor_ps(load8(x, x0 + d + half, BF), sign) : load8(x, x0 + d - half, BF);
+            const __m256 b = round8(_mm256_mul_ps(r, load8(sin, c0 + d, BF)), BF);
+            _mm256_storeu_ps(dst + d, round8(_mm256_add_ps(a, b), BF));
+        }
+    }
+    for (; d < D; d++) {
         const float a = round_as(load1(x, x0 + d, BF) * load1(cos, c0 + d, BF), BF);
         const float r = d < half ? -load1(x, x0 + d + half, BF) : load1(x, x0 + d - half, BF);
         const float b = round_as(r * load1(sin, c0 + d, BF), BF);
@@ -670,7 +725,7 @@ __attribute__((target("avx2,fma"))) int safespec_attention_block(
             for (int h = 0; h < NKV; h++) {
                 const size_t dst = (size_t)(b * kv_sb + h * kv_sh) + row * D;
                 rope_row(qkv, x0 + (size_t)(NH + h) * D, cos, sin, c0, D, BF, krow);
-                for (int d = 0; d < D; d++) store1(kc, dst + d, krow[d], BF);
+                narrow_row((size_t)D, krow, kc, dst, BF);
                 if (BF) memcpy((uint16_t *)vc + dst, (const uint16_t *)qkv + x0 + (size_t)(NH + NKV + h) * D, 2 * (size_t)D);
                 else memcpy((float *)vc + dst, (const float *)qkv + x0 + (size_t)(NH + NKV + h) * D, 4 * (size_t)D);
             }
@@ -685,7 +740,7 @@ __attribute__((target("avx2,fma"))) int safespec_attention_block(
                     attend_row(S, D, qs, kc, vc, (size_t)(b * kv_sb + h * kv_sh), BF,
                                mask + b * m_sb + (rep * T + t) * m_sr, idx, p, acc);
                     const size_t o0 = ((size_t)b * T + t) * NH * D + (size_t)hq * D;
-                    for (int d = 0; d < D; d++) store1(out, o0 + d, acc[d], BF);
+                    narrow_row((size_t)D, acc, out, o0, BF);
                 }
     free(q);
     free(idx);
@@ -704,8 +759,15 @@ __attribute__((target("avx2,fma"))) void safespec_silu_mul(int rows, int I, cons
     const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
     for (int m = 0; m < rows; m++) {
         const size_t g0 = (size_t)m * 2 * I, u0 = g0 + I, o0 = (size_t)m * I;
-        for (int d = 0; d < I; d += 8) {
-            const int n = I - d < 8 ? I - d : 8;
+        int d = 0;
+        for (; d + 8 <= I; d += 8) {
+            const __m256 gv = load8(gate_up, g0 + d, BF);
+            const __m256 e = exp_ps(_mm256_xor_ps(gv, sign));
+            const __m256 s = round8(_mm256_div_ps(gv, _mm256_add_ps(e, one)), BF);
+            store8(out, o0 + d, _mm256_mul_ps(s, load8(gate_up, u0 + d, BF)), BF);
+        }
+        if (d < I) {   /* the tail through the same vector code: an element's bits never depend on its lane */
+            const int n = I - d;
             float g[8] = {0}, s[8];
             for (int j = 0; j < n; j++) g[j] = load1(gate_up, g0 + d + j, BF);
             const __m256 gv = _mm256_loadu_ps(g);

@@ -194,3 +194,58 @@ def test_the_fused_block_reaches_exactly_the_rows_that_see_a_poisoned_cache_row(
     want[0, 0] = True                                 # kv head 0, rep 0: query head 0 at token 0
     want[2, 3] = True                                 # kv head 1, rep 1: query head 3 at token 2
     assert torch.equal(bad, want)
+
+
+def _attention_block_by_torch_ops(qkv, rope, write_pos, kv, mask, nh, scale):
+    """attention_block's steps one torch op at a time: ``apply_rope`` on q and k (rounded op by op in the
+    dtype), the K/V rows written into copies of the caches, ``reference_attention`` per replica of the kv
+    heads, rounded once to the dtype. Returns (out, k_cache, v_cache)."""
+    from spec_decode.models.rope import apply_rope
+
+    B, T, _ = qkv.shape
+    k_cache, v_cache = (c.clone() for c in kv)
+    nkv, D, S = k_cache.shape[1], k_cache.shape[-1], mask.shape[-1]
+    n_rep = nh // nkv
+    heads = lambda lo, n: qkv[..., lo * D:(lo + n) * D].reshape(B, T, n, D).transpose(1, 2)   # [B, n, T, D]
+    cos, sin = (c.transpose(1, 2) for c in rope)                                                # [B, 1, T, D]
+    q, k, v = apply_rope(heads(0, nh), cos, sin), apply_rope(heads(nh, nkv), cos, sin), heads(nh + nkv, nkv)
+    for b in range(B):
+        for t in range(T):
+            k_cache[b, :, write_pos[b, t]] = k[b, :, t]
+            v_cache[b, :, write_pos[b, t]] = v[b, :, t]
+    out = torch.empty(B, T, nh, D, dtype=qkv.dtype)
+    for rep in range(n_rep):
+        rows = reference_attention(q[:, rep::n_rep], k_cache[:, :, :S], v_cache[:, :, :S],
+                                   mask[:, :, rep * T:(rep + 1) * T], scale)               # [B, nkv, T, D]
+        out[:, :, rep::n_rep] = rows.transpose(1, 2).to(qkv.dtype)
+    return out.reshape(B, T, nh * D), k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [8, 16, 20, 64])
+def test_the_fused_block_equals_its_ops_by_torch_with_special_values(dtype, D):
+    """Head dims with whole octets on each side of D / 2 (16, 64: rope eight lanes at a time) and without
+    (8, 20); NaN, Inf, -0 and values near the float32 limit in q, k and v: the output and both caches carry
+    the bits of the torch ops."""
+    from spec_decode.cpu.attention import attention_block
+
+    B, T, nh, nkv, S = 2, 3, 6, 2, 9
+    g = torch.Generator().manual_seed(D)
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * D, generator=g) * 3
+    flat = qkv.view(-1)
+    picks = torch.randperm(flat.numel(), generator=g)[:12]
+    flat[picks] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 3.0e38, -3.0e38] * 2)
+    qkv = qkv.to(dtype)
+    angles = torch.rand(B, T, 1, D, generator=g) * 6
+    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+    kv = tuple(torch.randn(B, nkv, 12, D, generator=g).to(dtype) for _ in range(2))
+    write_pos = torch.tensor([[5, 6, 7], [2, 3, 4]])
+    mask = torch.rand(B, 1, (nh // nkv) * T, S, generator=g) < 0.6
+    for b in range(B):
+        for t in range(T):
+            mask[b, 0, t::T, write_pos[b, t]] = True
+    scale = D ** -0.5
+    want, want_k, want_v = _attention_block_by_torch_ops(qkv, rope, write_pos, kv, mask, nh, scale)
+    got = attention_block(qkv, rope, write_pos, kv, mask, nh, scale)
+    assert _same_bits(got, want)
+    assert _same_bits(kv[0], want_k) and _same_bits(kv[1], want_v)
