@@ -45,6 +45,14 @@ static inline size_t octet_at(int o, int K, int k) {
     return ((size_t)(o >> 1) * K + k) * PANEL + (size_t)(o & 1) * OCTET;
 }
 
+/* [a.lo, b.lo], and [a.hi, b.hi] into *hi: columns {0-7} and {8-15} of a panel as {0-3, 8-11} and {4-7, 12-15}
+ * (the order unpacking a panel's bf16 words gives), or back. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
+interleave_lanes(__m256 a, __m256 b, __m256 *hi) {
+    *hi = _mm256_permute2f128_ps(a, b, 0x31);
+    return _mm256_permute2f128_ps(a, b, 0x20);
+}
+
 /* R rows x Q octets of accumulators: R * Q ymm registers. WB: bf16 panels, each weight vector widened
  * once a k for all rows (from 2 rows), so the accumulators, the Q widened vectors and one broadcast
  * share the 16 registers. Octets rather than whole panels let a block of 2 or 3 rows fit that budget
@@ -53,10 +61,18 @@ __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline))
 micro(const int R, const int Q, const int WB, int K, int N, const float *x, const void *panels,
       const float *bias, float *y, int octet0, int num_panels) {
     __m256 acc[MAX_BLOCK_ROWS][MAX_OCTETS];
+    /* Two bf16 octets of one panel: its 16 weights at k are one 32-byte load, and unpacking its words
+     * against zeros widens them in two instructions instead of four. The unpack works within each 128-bit
+     * lane, so the two accumulators of a row hold the columns {0-3, 8-11} and {4-7, 12-15}; the bias goes in
+     * and the sums come out in that order. Each column's FMA chain is unchanged. */
+    const int paired = WB && R >= 2 && Q % 2 == 0 && (octet0 & 1) == 0;
     for (int q = 0; q < Q; q++) {
         __m256 b = bias ? _mm256_loadu_ps(bias + (size_t)(octet0 + q) * OCTET) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) acc[r][q] = b;
     }
+    if (paired)
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < Q; q += 2) acc[r][q] = interleave_lanes(acc[r][q], acc[r][q + 1], &acc[r][q + 1]);
     /* A block of 4 or more rows streams few panels at once, and few streams leave most of the memory
      * bandwidth idle when the weights come from DRAM (a float32 target overflows the L3): each k also
      * prefetches its line of the panel after this call's last. Fewer rows run more panels side by side,
@@ -69,7 +85,16 @@ micro(const int R, const int Q, const int WB, int K, int N, const float *x, cons
             _mm_prefetch(next + ((size_t)k * PANEL << (WB ? 1 : 2)), _MM_HINT_T0);
         if (WB && R >= 2) {   /* widen each weight vector once for all rows */
             __m256 wv[MAX_OCTETS];
-            for (int q = 0; q < Q; q++) wv[q] = load_w(panels, octet_at(octet0 + q, K, k), 1);
+            if (paired) {
+                for (int q = 0; q < Q; q += 2) {
+                    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)panels +
+                                                                          octet_at(octet0 + q, K, k)));
+                    wv[q] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), h));
+                    wv[q + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
+                }
+            } else {
+                for (int q = 0; q < Q; q++) wv[q] = load_w(panels, octet_at(octet0 + q, K, k), 1);
+            }
             for (int r = 0; r < R; r++) {
                 __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
                 for (int q = 0; q < Q; q++) acc[r][q] = _mm256_fmadd_ps(xv, wv[q], acc[r][q]);
@@ -82,6 +107,9 @@ micro(const int R, const int Q, const int WB, int K, int N, const float *x, cons
             }
         }
     }
+    if (paired)   /* back to column order: interleaving the lanes twice is the identity */
+        for (int r = 0; r < R; r++)
+            for (int q = 0; q < Q; q += 2) acc[r][q] = interleave_lanes(acc[r][q], acc[r][q + 1], &acc[r][q + 1]);
     for (int q = 0; q < Q; q++) {
         int n0 = (octet0 + q) * OCTET;
         int valid = N - n0 < OCTET ? N - n0 : OCTET;
