@@ -54,18 +54,19 @@ interleave_lanes(__m256 a, __m256 b, __m256 *hi) {
 }
 
 /* R rows x Q octets of accumulators: R * Q ymm registers. WB: bf16 panels, each weight vector widened
- * once a k for all rows (from 2 rows), so the accumulators, the Q widened vectors and one broadcast
- * share the 16 registers. Octets rather than whole panels let a block of 2 or 3 rows fit that budget
+ * once a k for all rows (from 2 rows, or whole panels at any row count), so the accumulators, the Q
+ * widened vectors and one broadcast share the 16 registers. Octets rather than whole panels let a block of 2 or 3 rows fit that budget
  * (5 and 3 octets) without re-widening a vector per row. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
 micro(const int R, const int Q, const int WB, int K, int N, const float *x, const void *panels,
       const float *bias, float *y, int octet0, int num_panels) {
     __m256 acc[MAX_BLOCK_ROWS][MAX_OCTETS];
     /* Two bf16 octets of one panel: its 16 weights at k are one 32-byte load, and unpacking its words
-     * against zeros widens them in two instructions instead of four. The unpack works within each 128-bit
+     * against zeros widens them in two instructions instead of four (fewer instructions a weight, which
+     * counts even for one row: its loop is not bound by memory alone). The unpack works within each 128-bit
      * lane, so the two accumulators of a row hold the columns {0-3, 8-11} and {4-7, 12-15}; the bias goes in
      * and the sums come out in that order. Each column's FMA chain is unchanged. */
-    const int paired = WB && R >= 2 && Q % 2 == 0 && (octet0 & 1) == 0;
+    const int paired = WB && Q % 2 == 0 && (octet0 & 1) == 0;
     for (int q = 0; q < Q; q++) {
         __m256 b = bias ? _mm256_loadu_ps(bias + (size_t)(octet0 + q) * OCTET) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) acc[r][q] = b;
@@ -83,7 +84,7 @@ micro(const int R, const int Q, const int WB, int K, int N, const float *x, cons
     for (int k = 0; k < K; k++) {
         if (prefetch && (!WB || (k & 1) == 0))   /* 16 bf16 weights are half a cache line */
             _mm_prefetch(next + ((size_t)k * PANEL << (WB ? 1 : 2)), _MM_HINT_T0);
-        if (WB && R >= 2) {   /* widen each weight vector once for all rows */
+        if (WB && (R >= 2 || paired)) {   /* widen each weight vector once for all rows */
             __m256 wv[MAX_OCTETS];
             if (paired) {
                 for (int q = 0; q < Q; q += 2) {
