@@ -66,15 +66,20 @@ def attention_block_fits(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Te
                          mask: Tensor) -> bool:
     """Whether ``attention_block`` takes these tensors (its docstring's shapes, dtypes and layouts); where it
     does not, the layer's ops one at a time give the same bits."""
+    return qkv.is_contiguous() and qkv.is_cpu and attention_inputs_fit(qkv.dtype, rope, write_pos, kv, mask)
+
+
+def attention_inputs_fit(dtype: torch.dtype, rope: tuple[Tensor, Tensor], write_pos: Tensor,
+                         kv: tuple[Tensor, Tensor], mask: Tensor) -> bool:
+    """``attention_block_fits`` less the q/k/v block's own checks: a block of ``dtype`` would fit."""
     (cos, sin), (k_cache, v_cache) = rope, kv
-    dtype = qkv.dtype
     D = k_cache.shape[-1]
     return (dtype in cpu_gemm.KERNEL_DTYPES and cos.dtype is dtype and sin.dtype is dtype
             and k_cache.dtype is dtype and v_cache.dtype is dtype and write_pos.dtype is torch.int64
-            and mask.dtype is torch.bool and D % 2 == 0 and qkv.is_contiguous() and cos.stride() == sin.stride()
+            and mask.dtype is torch.bool and D % 2 == 0 and cos.stride() == sin.stride()
             and cos.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
             and k_cache.stride(-2) == D and mask.stride(-1) == 1
-            and all(t.is_cpu for t in (qkv, cos, sin, write_pos, k_cache, v_cache, mask)))
+            and all(t.is_cpu for t in (cos, sin, write_pos, k_cache, v_cache, mask)))
 
 
 def attention_block(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Tensor, kv: tuple[Tensor, Tensor],

@@ -806,3 +806,75 @@ __attribute__((target("avx2,fma"))) void safespec_silu_mul(int rows, int I, cons
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * One decoder layer in one call (spec_decode/cpu/layer.py): the functions above in the order a layer's
+ * modules call them, with the residual adds between, so that a decode step's layer costs one call
+ * instead of a dozen Python calls around the same arithmetic:
+ *   h = rms_norm(x, in_norm) (skipped when in_norm is NULL), qkv = h Wqkv^T (+ b), a = attention_block(qkv),
+ *   x1 = x + a Wo^T (+ b), h2 = rms_norm(x1, post_norm), out = x1 + down(silu_mul(h2 Wgu^T (+ b))) (+ b).
+ * Each step is the same function the modules call, and an add rounds once to the dtype as torch's does,
+ * so the layer gives the modules' bits. Everything float32 or (BF) bf16; panels float32 or bf16 each. */
+struct safespec_projection {
+    const void *panels;
+    const float *bias;   /* NULL: none */
+    int panels_bf16, K, N;
+};
+
+struct safespec_layer {
+    const void *in_norm, *post_norm;   /* weights [H] in the dtype; in_norm NULL: no input norm */
+    float in_eps, post_eps, scale;
+    int NH, NKV, D;
+    struct safespec_projection qkv, o, gate_up, down;
+};
+
+/* y[M, N] = x[M, K] W^T (+ b) in the dtype (BF); 0, or -1 when out of memory. */
+static int project(const struct safespec_projection *p, int M, const void *x, void *y, const int BF) {
+    if (BF) return safespec_panel_linear_bf16(M, p->K, p->N, x, p->panels, p->panels_bf16, p->bias, y);
+    safespec_panel_linear(M, p->K, p->N, x, p->panels, p->panels_bf16, p->bias, y);
+    return 0;
+}
+
+/* out[i] = a[i] + b[i] rounded once to the dtype, for i < n. */
+__attribute__((target("avx2,fma"))) static void add_rows(size_t n, const void *a, const void *b, void *out,
+                                                      const int BF) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(out, i, _mm256_add_ps(load8(a, i, BF), load8(b, i, BF)), BF);
+    for (; i < n; i++) store1(out, i, load1(a, i, BF) + load1(b, i, BF), BF);
+}
+
+/* x, out: [B, T, H] contiguous; the rope, position, cache and mask arguments as safespec_attention_block's.
+ * Returns 0, or -1 when out of memory (out is then not written; the cache may hold the block's K/V rows,
+ * which no committed length covers). */
+int safespec_decoder_layer(const struct safespec_layer *L, int B, int T, int H, int I, const void *x, int BF,
+                           const void *cos, const void *sin, int64_t cs_sb, int64_t cs_st, const int64_t *pos,
+                           int64_t pos_sb, int64_t pos_st, void *kc, void *vc, int64_t kv_sb, int64_t kv_sh,
+                           const uint8_t *mask, int64_t m_sb, int64_t m_sr, int S, void *out) {
+    const size_t M = (size_t)B * T, elt = BF ? 2 : 4, A = (size_t)L->NH * L->D;
+    const size_t sizes[6] = {M * H, M * L->qkv.N, M * A, M * H, M * 2 * I, M * I};
+    size_t total = 0;
+    for (int i = 0; i < 6; i++) total += sizes[i];
+    char *buf = malloc(elt * (total > 0 ? total : 1));
+    if (!buf) return -1;
+    char *h = buf, *qkv = h + elt * sizes[0], *att = qkv + elt * sizes[1], *x1 = att + elt * sizes[2];
+    char *gu = x1 + elt * sizes[3], *s = gu + elt * sizes[4];
+    int rc = 0;
+    if (L->in_norm) safespec_rms_norm((int)M, H, x, BF, L->in_norm, BF, L->in_eps, h, BF);
+    rc = project(&L->qkv, (int)M, L->in_norm ? (const void *)h : x, qkv, BF);
+    if (!rc)
+        rc = safespec_attention_block(B, T, L->NH, L->NKV, L->D, qkv, BF, cos, sin, cs_sb, cs_st, pos, pos_sb,
+                                      pos_st, kc, vc, kv_sb, kv_sh, mask, m_sb, m_sr, S, L->scale, att);
+    if (!rc) rc = project(&L->o, (int)M, att, h, BF);   /* h is free again: it takes o's rows */
+    if (!rc) {
+        add_rows(M * H, x, h, x1, BF);
+        safespec_rms_norm((int)M, H, x1, BF, L->post_norm, BF, L->post_eps, h, BF);
+        rc = project(&L->gate_up, (int)M, h, gu, BF);
+    }
+    if (!rc) {
+        safespec_silu_mul((int)M, I, gu, BF, s);
+        rc = project(&L->down, (int)M, s, h, BF);
+    }
+    if (!rc) add_rows(M * H, x1, h, out, BF);
+    free(buf);
+    return rc;
+}

@@ -252,6 +252,7 @@ class _Kernels:
     rms_norm: ctypes._CFuncPtr   # safespec_rms_norm (spec_decode.cpu.norm)
     attention_block: ctypes._CFuncPtr   # safespec_attention_block (spec_decode.cpu.attention; 0, or -1: no memory)
     silu_mul: ctypes._CFuncPtr   # safespec_silu_mul (spec_decode.cpu.mlp)
+    decoder_layer: ctypes._CFuncPtr   # safespec_decoder_layer (spec_decode.cpu.layer; 0, or -1: no memory)
     isa: ctypes._CFuncPtr   # safespec_panel_isa (set_isa)
     fma_peak: ctypes._CFuncPtr   # safespec_fma_peak (fma_peak_gflops)
 
@@ -274,7 +275,7 @@ def loaded_kernels() -> _Kernels | None:
         lib = ctypes.CDLL(str(_build()))
         (fp32, bf16), attention = panel_linear_functions(lib), lib.safespec_attention
         rms_norm, attention_block = lib.safespec_rms_norm, lib.safespec_attention_block
-        silu_mul = lib.safespec_silu_mul
+        silu_mul, decoder_layer = lib.safespec_silu_mul, lib.safespec_decoder_layer
         isa, fma_peak = lib.safespec_panel_isa, lib.safespec_fma_peak
     except (OSError, subprocess.SubprocessError, AttributeError) as err:
         warnings.warn(f"safespec: the AVX2 panel kernel could not be built ({err}); float32 projections "
@@ -295,9 +296,13 @@ def loaded_kernels() -> _Kernels | None:
                                              i64, i64, i32, ctypes.c_float, ptr])
     silu_mul.restype = None
     silu_mul.argtypes = [i32, i32, ptr, i32, ptr]   # (rows, I, gate_up, bf16, out)
+    decoder_layer.restype = ctypes.c_int
+    # (layer struct, B, T, H, I, x, bf16, then attention_block's cos ... S, then out)
+    decoder_layer.argtypes = ([ptr] + [i32] * 4 + [ptr, i32, ptr, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr,
+                                                   i64, i64, i32, ptr])
     isa.restype, isa.argtypes = ctypes.c_int, [ctypes.c_int]
     fma_peak.restype, fma_peak.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
-    return _Kernels(fp32, bf16, attention, rms_norm, attention_block, silu_mul, isa, fma_peak)
+    return _Kernels(fp32, bf16, attention, rms_norm, attention_block, silu_mul, decoder_layer, isa, fma_peak)
 
 
 def _cpu_has_avx2_fma() -> bool:

@@ -66,6 +66,9 @@ class Linear(nn.Linear):
         self._route_by_dtype: dict = {}   # (input dtype, weight dtype) -> path, filled by _route
 
     def forward(self, x: Tensor) -> Tensor:
+        panels = self.invariant_panels(x)
+        if panels is not None:   # any row count: the kernel's k order is what makes a row batch invariant
+            return panels(x)
         w, b = self.weight, self.bias
         # compiled graphs keep F.linear, checked first: the rules below would break the graph at every
         # linear (a cached CPU probe) and recompile it per weight shape, making compile slower than eager.
@@ -74,8 +77,6 @@ class Linear(nn.Linear):
         route = self._route_by_dtype.get((x.dtype, w.dtype)) or self._route(x.dtype, w.dtype)
         if route is _PLAIN or torch.is_grad_enabled() or not x.is_cpu or torch.is_autocast_enabled("cpu"):
             return F.linear(x, w, b)
-        if route is _INVARIANT:   # any row count: the kernel's k order is what makes a row batch invariant
-            return self._panel_weight(w, b)(x)
         # Inference tensors keep no version counter, so an in-place change could not be seen.
         if self.packed is False or w.is_inference():
             return F.linear(x, w, b)
@@ -90,6 +91,29 @@ class Linear(nn.Linear):
             w32, b32 = self._fp32_copy(w, b)
             return self._fp32_forward(x.float(), w32, b32, rows).to(torch.bfloat16)
         return self._fp32_forward(x, w, b, rows)
+
+    def invariant_panels(self, x: Tensor) -> cpu_gemm.PanelWeight | None:
+        """The packed weight that ``forward(x)`` runs on the batch-invariant route, or None where ``x`` takes
+        another route (see the class docstring): what a caller that runs the kernel itself needs."""
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled() or not x.is_cpu
+                or torch.is_autocast_enabled("cpu")):
+            return None
+        w = self.weight
+        route = self._route_by_dtype.get((x.dtype, w.dtype)) or self._route(x.dtype, w.dtype)
+        return self._panel_weight(w, self.bias) if route is _INVARIANT else None
+
+    def kept_panels(self) -> tuple | None:
+        """The packed weight ``invariant_panels`` last returned, with what it is valid for (an opaque entry for
+        ``invariant_panels_hold``), or None."""
+        return self.__dict__.get("_panel")
+
+    def invariant_panels_hold(self, dtype: torch.dtype, kept: tuple) -> bool:
+        """Whether ``invariant_panels`` of a ``dtype`` input would still return ``kept``'s packed weight: the same
+        route, and the weight and bias unchanged since they were packed. The caller checks the rest of
+        ``invariant_panels``'s conditions (grad mode, compiling, autocast, a CPU input)."""
+        params = self._parameters   # read directly: the hot path of a one-call layer asks four times a layer
+        return (self._route_by_dtype.get((dtype, dtype)) is _INVARIANT and self.__dict__.get("_panel") is kept
+                and kept[0] == _weights_key(params["weight"], params["bias"]))
 
     def _route(self, x_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
         """Which path a CPU inference call with these dtypes takes (see the class docstring); cached."""

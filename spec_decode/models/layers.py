@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
 
 from spec_decode.cpu import Linear, cpu_gemm, set_invariant_linears
 from spec_decode.cpu.capability import KERNELS_MISSING
 from spec_decode.cpu.attention import attention_block, attention_block_fits, invariant_attention
+from spec_decode.cpu.layer import LayerWeights, decoder_layer, decoder_layer_fits
 from spec_decode.cpu.mlp import silu_mul
 from spec_decode.cpu.norm import invariant_rms_norm
 from spec_decode.models.config import ModelConfig
@@ -215,9 +217,94 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, li: LayerInputs, cache: KVCache, layer: int) -> Tensor:
+        weights = self._one_call_weights(x)
+        if weights is not None:
+            rope, kv = (li.cos, li.sin), (cache.k[layer], cache.v[layer])
+            if _fits_once_a_forward(li, cache, x, weights, rope, kv):
+                return decoder_layer(x, weights, rope, li.write_pos, kv, li.mask)   # the lines below, their bits
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(h, li, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _one_call_weights(self, x: Tensor) -> LayerWeights | None:
+        """The layer's weights for ``spec_decode.cpu.layer.decoder_layer`` when every part of this call takes its
+        batch-invariant C route (the norms', attention's and MLP's rules, each projection's
+        ``invariant_panels``) and no forward hook watches a part; else None: the parts run one by one.
+
+        A decode step passes here once a layer, so what was checked is kept (``_OneCall``) and, on later
+        calls, only what can change is checked again: the parts, their hooks and switches, and the
+        weights' versions."""
+        if (torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu")
+                or _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks or not x.is_cpu):
+            return None
+        kept = self.__dict__.get("_one_call")
+        if kept is not None and kept.holds(self, x.dtype):
+            return kept.weights
+        kept = _OneCall.check(self, x)
+        if kept is not None:
+            self.__dict__["_one_call"] = kept
+        return None if kept is None else kept.weights
+
+
+class _OneCall:
+    """What ``DecoderLayer._one_call_weights`` checked for one dtype: the parts it found, their packed
+    projections and the ``LayerWeights`` over them."""
+
+    __slots__ = ("dtype", "parts", "linears", "packed", "norm_weights", "weights")
+
+    @staticmethod
+    def _parts(layer: DecoderLayer) -> tuple:
+        mods = layer._modules   # read directly: nn.Module's attribute lookup costs more than the rest
+        attn, mlp = mods["self_attn"], mods["mlp"]
+        return (attn, mlp, mods["post_attention_layernorm"], mods.get("input_layernorm"), attn._modules["qkv_proj"],
+                attn._modules["o_proj"], mlp._modules["gate_up_proj"], mlp._modules["down_proj"])
+
+    @classmethod
+    def check(cls, layer: DecoderLayer, x: Tensor) -> "_OneCall | None":
+        """Every part's own rule, in full; None where one says no."""
+        parts = cls._parts(layer)
+        attn, mlp, post, inp = parts[:4]
+        norms = (post,) if inp is None else (post, inp)
+        if (attn.exact_nan or attn.batch_invariant is False or mlp.batch_invariant is False
+                or any(p is not None and (p._forward_hooks or p._forward_pre_hooks) for p in parts)
+                or not all(n._invariant(x) and n.weight.is_contiguous() for n in norms)):
+            return None
+        panels = tuple(p.invariant_panels(x) for p in parts[4:])
+        if None in panels or any(p.weight.is_inference() for p in parts[4:]):   # inference weights: packed anew
+            return None
+        kept = cls()
+        kept.dtype, kept.parts, kept.linears = x.dtype, parts, parts[4:]
+        kept.packed = tuple(p.kept_panels() for p in kept.linears)
+        kept.norm_weights = tuple((n.weight, n.weight.data_ptr(), n.eps) for n in norms)
+        kept.weights = LayerWeights((None if inp is None else inp.weight, post.weight),
+                                    (0.0 if inp is None else inp.eps, post.eps),
+                                    (attn.n_heads, attn.n_kv, attn.head_dim), panels)
+        return kept
+
+    def holds(self, layer: DecoderLayer, dtype: torch.dtype) -> bool:
+        """Whether what ``check`` found still holds: the same parts, hooks and switches, each projection's packed
+        copy still its weight's (``Linear`` repacks on a change), the same norm weights in the same storage (the
+        kernel reads them in place, so a change of their values needs nothing)."""
+        parts = self._parts(layer)
+        attn, mlp, post, inp = parts[:4]
+        return (dtype is self.dtype and all(a is b for a, b in zip(parts, self.parts))
+                and not (attn.exact_nan or attn.batch_invariant is False or mlp.batch_invariant is False
+                         or post.batch_invariant is False or (inp is not None and inp.batch_invariant is False))
+                and not any(p is not None and (p._forward_hooks or p._forward_pre_hooks) for p in parts)
+                and all(lin.invariant_panels_hold(dtype, packed) for lin, packed in zip(self.linears, self.packed))
+                and all(n.weight is w and w.data_ptr() == ptr and n.eps == eps
+                        for n, (w, ptr, eps) in zip((post, inp), self.norm_weights)))
+
+
+def _fits_once_a_forward(li: LayerInputs, cache: KVCache, x: Tensor, weights: LayerWeights, rope, kv) -> bool:
+    """``decoder_layer_fits`` for the first layer of a forward; the layers after it read the same rope, mask and
+    cache tensors (slices of one K and one V), so its answer is kept on ``li`` for this cache and x's layout."""
+    layout = (x.dtype, tuple(x.shape), weights.hidden)
+    kept = li.__dict__.get("_one_call_fits")
+    if kept is None or kept[0] is not cache.k or kept[1] is not cache.v or kept[2] != layout:
+        fits = decoder_layer_fits(x, weights, rope, li.write_pos, kv, li.mask)
+        kept = li.__dict__["_one_call_fits"] = (cache.k, cache.v, layout, fits)
+    return kept[3] and x.is_contiguous()
 
 
 def set_batch_invariant(module: nn.Module, on: bool | None) -> None:

@@ -109,14 +109,17 @@ def test_bad_inputs_are_named():
 
 
 def _two_ways(model, run):
-    """``run(model)``'s outputs with the fused attention block and with the layer's ops one at a time."""
+    """``run(model)``'s outputs with the fused attention block and with the layer's ops one at a time (the
+    one-call layer, ``tests/spec_decode/cpu/test_cpu_layer.py``, off for both)."""
     from spec_decode.cpu import attention as cpu_attention
+    from spec_decode.cpu import layer as cpu_layer
     from spec_decode.models import layers
 
-    fused = run(model)
     calls = []
     original = layers.attention_block
     try:
+        layers.decoder_layer_fits = lambda *a, **k: False
+        fused = run(model)
         layers.attention_block = lambda *a, **k: calls.append(1) or original(*a, **k)
         assert run(model) is not None and calls, "the fused block did not run"
         layers.attention_block_fits = lambda *a, **k: False
@@ -124,6 +127,7 @@ def _two_ways(model, run):
     finally:
         layers.attention_block = original
         layers.attention_block_fits = cpu_attention.attention_block_fits
+        layers.decoder_layer_fits = cpu_layer.decoder_layer_fits
     return fused, unfused
 
 

@@ -457,17 +457,18 @@ def _tree_logits_with_poisoned_node(model, poison: int):
     cache.k[:, 0, :, 6 + poison] = float("nan")
     cache.v[:, 0, :, 6 + poison] = float("nan")
     # Re-run the block without rewriting the poisoned row: attend to it as a cached row would be. The
-    # fused attention block writes the cache itself, so the layer's ops run one at a time here (the
+    # fused attention block (and the one-call layer) writes the cache itself, so the layer's ops run one at a
+    # time here (the
     # fused block's NaN reach: tests/spec_decode/cpu/test_cpu_attention.py).
     from spec_decode.models import layers
 
-    hook, fits = cache.write_rows, layers.attention_block_fits
+    hook, fits, layer_fits = cache.write_rows, layers.attention_block_fits, layers.decoder_layer_fits
     cache.write_rows = lambda layer, index, k, v: None
-    layers.attention_block_fits = lambda *a, **k: False
+    layers.attention_block_fits = layers.decoder_layer_fits = lambda *a, **k: False
     try:
         return model(tokens, cache, tree_mask=mask, position_ids=6 + depth).logits[0]
     finally:
-        cache.write_rows, layers.attention_block_fits = hook, fits
+        cache.write_rows, layers.attention_block_fits, layers.decoder_layer_fits = hook, fits, layer_fits
 
 
 @pytest.mark.parametrize("exact,invariant", [(True, False), (False, False), (False, None)],
