@@ -101,7 +101,7 @@ def attention_block(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Tensor,
     kernels = cpu_gemm.loaded_kernels()
     if kernels is None:
         raise RuntimeError("the batch-invariant attention kernel is not available here (cpu_gemm.available())")
-    (cos, sin), (k_cache, v_cache) = rope, kv
+    k_cache = kv[0]
     if not attention_block_fits(qkv, rope, write_pos, kv, mask):
         raise ValueError("attention_block: tensors outside attention_block_fits (dtypes, layouts or device)")
     B, T, _ = qkv.shape
@@ -110,13 +110,21 @@ def attention_block(qkv: Tensor, rope: tuple[Tensor, Tensor], write_pos: Tensor,
     if not out.numel():
         return out
     rc = kernels.attention_block(B, T, n_heads, n_kv, D, qkv.data_ptr(), int(qkv.dtype is torch.bfloat16),
-                                 cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(1), write_pos.data_ptr(),
-                                 write_pos.stride(0), write_pos.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                                 k_cache.stride(0), k_cache.stride(1), mask.data_ptr(), mask.stride(0),
-                                 mask.stride(2), S, scale, out.data_ptr())
+                                 *attention_block_args(rope, write_pos, kv, mask), scale, out.data_ptr())
     if rc:
         raise MemoryError(f"the attention kernel could not allocate its buffers ({B * T} rows, {S} keys)")
     return out
+
+
+def attention_block_args(rope: tuple[Tensor, Tensor], write_pos: Tensor, kv: tuple[Tensor, Tensor],
+                         mask: Tensor) -> tuple:
+    """The rope, position, cache and mask arguments of ``safespec_attention_block`` (and of the one-call layer,
+    ``spec_decode.cpu.layer``, which passes them on), in its order: cos, sin and their strides, the positions
+    and theirs, the caches and theirs, the mask and its, and the key count S."""
+    (cos, sin), (k_cache, v_cache) = rope, kv
+    return (cos.data_ptr(), sin.data_ptr(), cos.stride(0), cos.stride(1), write_pos.data_ptr(), write_pos.stride(0),
+            write_pos.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            mask.data_ptr(), mask.stride(0), mask.stride(2), mask.shape[-1])
 
 
 def _check(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> None:

@@ -26,14 +26,15 @@
 #define PANEL 16
 #define MAX_BLOCK_ROWS 6
 
-/* Eight weights from element i of the panels, as float32: bf16 bits are a float32's high half. */
+/* 8 float32 values from element i of a float32 or (BF) bf16 array (weights, activations, K/V rows), widened
+ * exactly: bf16 bits are a float32's high half. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
-load_w(const void *panels, size_t i, const int WB) {
-    if (WB) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)panels + i));
+load8(const void *p, size_t i, const int BF) {
+    if (BF) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    return _mm256_loadu_ps((const float *)panels + i);
+    return _mm256_loadu_ps((const float *)p + i);
 }
 
 /* Output columns per AVX2 register: a panel is two octets, octet o is half o & 1 of panel o >> 1. */
@@ -55,8 +56,8 @@ interleave_lanes(__m256 a, __m256 b, __m256 *hi) {
 
 /* R rows x Q octets of accumulators: R * Q ymm registers. WB: bf16 panels, each weight vector widened
  * once a k for all rows (from 2 rows, or whole panels at any row count), so the accumulators, the Q
- * widened vectors and one broadcast share the 16 registers. Octets rather than whole panels let a block of 2 or 3 rows fit that budget
- * (5 and 3 octets) without re-widening a vector per row. */
+ * widened vectors and one broadcast share the 16 registers. Octets rather than whole panels let a block
+ * of 2 or 3 rows fit that budget (5 and 3 octets) without re-widening a vector per row. */
 __attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
 micro(const int R, const int Q, const int WB, int K, int N, const float *x, const void *panels,
       const float *bias, float *y, int octet0, int num_panels) {
@@ -94,7 +95,7 @@ micro(const int R, const int Q, const int WB, int K, int N, const float *x, cons
                     wv[q + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), h));
                 }
             } else {
-                for (int q = 0; q < Q; q++) wv[q] = load_w(panels, octet_at(octet0 + q, K, k), 1);
+                for (int q = 0; q < Q; q++) wv[q] = load8(panels, octet_at(octet0 + q, K, k), 1);
             }
             for (int r = 0; r < R; r++) {
                 __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
@@ -104,7 +105,7 @@ micro(const int R, const int Q, const int WB, int K, int N, const float *x, cons
             for (int r = 0; r < R; r++) {
                 __m256 xv = _mm256_broadcast_ss(x + (size_t)r * K + k);
                 for (int q = 0; q < Q; q++)
-                    acc[r][q] = _mm256_fmadd_ps(xv, load_w(panels, octet_at(octet0 + q, K, k), WB), acc[r][q]);
+                    acc[r][q] = _mm256_fmadd_ps(xv, load8(panels, octet_at(octet0 + q, K, k), WB), acc[r][q]);
             }
         }
     }
@@ -170,7 +171,7 @@ __attribute__((target("avx2,fma"))) static void row_block(int R, int K, int N, c
 #define MAX_BLOCK_ROWS_512 12
 #define MAX_PANELS_512 6
 
-/* Sixteen weights from element i of the panels, as float32 (bf16 widened exactly, as load_w). */
+/* Sixteen weights from element i of the panels, as float32 (bf16 widened exactly, as load8). */
 __attribute__((target("avx512f"))) static inline __attribute__((always_inline)) __m512
 load_w16(const void *panels, size_t i, const int WB) {
     if (WB) {
@@ -361,15 +362,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* 8 float32 values from element i of a float32 or (BF) bf16 array, widened exactly. */
-__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) __m256
-load8(const void *p, size_t i, const int BF) {
-    if (BF) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)p + i);
-}
 
 static inline float load1(const void *p, size_t i, const int BF) {
     return BF ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from spec_decode.cpu import cpu_gemm
-from spec_decode.cpu.attention import attention_inputs_fit
+from spec_decode.cpu.attention import attention_block_args, attention_inputs_fit
 from spec_decode.cpu.cpu_gemm import PanelWeight
 
 
@@ -81,16 +81,13 @@ def decoder_layer(x: Tensor, weights: LayerWeights, rope: tuple[Tensor, Tensor],
     returns [B, T, H] in x's dtype. The arguments' shapes are ``attention_block``'s; the caller checks
     ``decoder_layer_fits`` and ``cpu_gemm.available()``; no autograd."""
     kernels = cpu_gemm.loaded_kernels()
-    (cos, sin), (k_cache, v_cache) = rope, kv
     B, T, H = x.shape
     out = torch.empty_like(x)
     if not out.numel():
         return out
     rc = kernels.decoder_layer(ctypes.byref(weights.struct), B, T, H, weights.intermediate, x.data_ptr(),
-                               int(x.dtype is torch.bfloat16), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                               cos.stride(1), write_pos.data_ptr(), write_pos.stride(0), write_pos.stride(1),
-                               k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-                               mask.data_ptr(), mask.stride(0), mask.stride(2), mask.shape[-1], out.data_ptr())
+                               int(x.dtype is torch.bfloat16), *attention_block_args(rope, write_pos, kv, mask),
+                               out.data_ptr())
     if rc:
         raise MemoryError(f"the decoder layer kernel could not allocate its buffers ({B * T} rows)")
     return out

@@ -1,4 +1,5 @@
-"""Small random-model factories shared by the spec_decode tests (importable: tests/spec_decode is on sys.path)."""
+"""Small random-model factories shared by the spec_decode tests, and a run of every block shape through one
+(importable: tests/spec_decode is on sys.path)."""
 
 from __future__ import annotations
 
@@ -117,3 +118,26 @@ def load_smollm2_heads_script():
     if fixtures not in sys.path:
         sys.path.append(fixtures)
     return importlib.import_module("make_smollm2_heads")
+
+
+@torch.no_grad()
+def decode_blocks(model: Transformer, prompts: torch.Tensor) -> list[torch.Tensor]:
+    """A batch of 3 through every block shape a decoder runs: a prefill of padded prompts (lengths 9, 6, 4), a
+    one-token step with ``kv_len=16``, a 5-token chain and a 5-node tree block. Returns each block's logits,
+    then the cache's K and V. Shape: prompts [3, >= 9] token ids."""
+    parents = torch.tensor([-1, 0, 0, 1, 2])   # a tree of 5 nodes under the last token
+    tree = torch.zeros(5, 5, dtype=torch.bool)
+    for j in range(5):
+        i = j
+        while i >= 0:
+            tree[j, i] = True
+            i = int(parents[i])
+    cache = model.new_cache(3, 32)
+    outs = [model(prompts, cache, input_lens=torch.tensor([9, 6, 4])).logits]
+    cache.commit(torch.tensor([9, 6, 4]))
+    outs.append(model(prompts[:, :1], cache, kv_len=16).logits)
+    cache.commit(torch.ones(3, dtype=torch.long))
+    outs.append(model(prompts[:, 1:6], cache).logits)
+    cache.commit(torch.tensor([5, 2, 0]))
+    outs.append(model(prompts[:, 2:7], cache, tree_mask=tree.expand(3, 5, 5)).logits)
+    return outs + [cache.k, cache.v]

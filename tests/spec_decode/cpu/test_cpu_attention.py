@@ -137,32 +137,13 @@ def test_the_fused_block_gives_the_layer_ops_bits(tmp_path, dtype, heads):
     """Prefill of padded prompts, one-token decode, a 5-token chain and a tree block, a batch of 3: the
     logits and every cache row equal the unfused path's (rope op by op, cache writes, attention)."""
     from spec_decode.models import Transformer
-    from tiny_models import make_tiny_target
+    from tiny_models import decode_blocks, make_tiny_target
 
     nh, nkv = heads
     path = make_tiny_target(tmp_path, seed=3, num_attention_heads=nh, num_key_value_heads=nkv, hidden_size=8 * nh)
     model = Transformer.from_pretrained(path, dtype=dtype)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 97, (3, 9), generator=g)
-    parents = torch.tensor([-1, 0, 0, 1, 2])   # a tree of 5 nodes under the last token
-    tree = torch.zeros(5, 5, dtype=torch.bool)
-    for j in range(5):
-        i = j
-        while i >= 0:
-            tree[j, i] = True
-            i = int(parents[i])
-
-    @torch.no_grad()
-    def run(m):
-        cache = m.new_cache(3, 32)
-        outs = [m(prompts, cache, input_lens=torch.tensor([9, 6, 4])).logits]
-        cache.commit(torch.tensor([9, 6, 4]))
-        outs.append(m(prompts[:, :1], cache, kv_len=16).logits)
-        cache.commit(torch.ones(3, dtype=torch.long))
-        outs.append(m(prompts[:, 1:6], cache).logits)
-        cache.commit(torch.tensor([5, 2, 0]))
-        outs.append(m(prompts[:, 2:7], cache, tree_mask=tree.expand(3, 5, 5)).logits)
-        return outs + [cache.k, cache.v]
+    prompts = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(0))
+    run = lambda m: decode_blocks(m, prompts)
 
     fused, unfused = _two_ways(model, run)
     for a, b in zip(fused, unfused):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from spec_decode.cpu import cpu_gemm
+from tiny_models import decode_blocks
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="the kernel needs cpu_gemm (x86-64, AVX2, a C compiler)")
 
@@ -47,28 +48,6 @@ def _model(tmp_path, dtype, heads=(4, 2), head_dim=8, **config):
     return Transformer.from_pretrained(path, dtype=dtype)
 
 
-@torch.no_grad()
-def _decode(model, prompts):
-    """Prefill of padded prompts, one-token decode, a 5-token chain and a tree block, a batch of 3: every
-    block's logits and the caches."""
-    parents = torch.tensor([-1, 0, 0, 1, 2])   # a tree of 5 nodes under the last token
-    tree = torch.zeros(5, 5, dtype=torch.bool)
-    for j in range(5):
-        i = j
-        while i >= 0:
-            tree[j, i] = True
-            i = int(parents[i])
-    cache = model.new_cache(3, 32)
-    outs = [model(prompts, cache, input_lens=torch.tensor([9, 6, 4])).logits]
-    cache.commit(torch.tensor([9, 6, 4]))
-    outs.append(model(prompts[:, :1], cache, kv_len=16).logits)
-    cache.commit(torch.ones(3, dtype=torch.long))
-    outs.append(model(prompts[:, 1:6], cache).logits)
-    cache.commit(torch.tensor([5, 2, 0]))
-    outs.append(model(prompts[:, 2:7], cache, tree_mask=tree.expand(3, 5, 5)).logits)
-    return outs + [cache.k, cache.v]
-
-
 def _prompts():
     return torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(0))
 
@@ -77,10 +56,10 @@ def _prompts():
 @pytest.mark.parametrize("heads,head_dim", [((4, 2), 8), ((6, 3), 16), ((3, 1), 20), ((4, 4), 64)])
 def test_one_call_gives_the_modules_bits(tmp_path, one_call_count, dtype, heads, head_dim):
     model = _model(tmp_path, dtype, heads, head_dim)
-    one_call = _decode(model, _prompts())
+    one_call = decode_blocks(model, _prompts())
     assert len(one_call_count) == 4 * model.config.num_hidden_layers, "a layer did not run as one call"
     one_call_count.off()
-    for a, b in zip(one_call, _decode(model, _prompts())):
+    for a, b in zip(one_call, decode_blocks(model, _prompts())):
         assert _same_bits(a, b)
 
 
@@ -97,10 +76,10 @@ def test_biases_a_missing_input_norm_and_special_values_keep_the_bits(tmp_path, 
         emb[7, :2] = torch.tensor([3.0e38, -3.0e38])
     prompts = _prompts()
     prompts[1, 2], prompts[2, 0] = 5, 7
-    one_call = _decode(model, prompts)
+    one_call = decode_blocks(model, prompts)
     assert len(one_call_count) > 0
     one_call_count.off()
-    unfused = _decode(model, prompts)
+    unfused = decode_blocks(model, prompts)
     assert any(t.isnan().any() for t in unfused[:4]), "the special values reached no logits"
     for a, b in zip(one_call, unfused):
         assert _same_bits(a, b)
