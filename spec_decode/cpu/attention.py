@@ -15,6 +15,10 @@ On a draft tree's path the ancestors sit in cache-row order, which is their logi
 tree's rows get the bits of the same tokens decoded one at a time. NaN in a visible key or value
 reaches the row; a masked one never does. ``reference_attention`` is the same arithmetic in torch,
 bit for bit (tests). The kernel lives in ``cpu_gemm.c`` and is available where ``cpu_gemm.available()``.
+
+``attention_block`` lets the query heads of one kv head share each key and value it loads over the keys
+that all of them see (a token's heads see the same keys), which saves loads and widening, not arithmetic:
+each row still takes its own FMA chains in the order above.
 """
 from __future__ import annotations
 

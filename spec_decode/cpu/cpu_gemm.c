@@ -443,7 +443,8 @@ __attribute__((target("avx2,fma"))) int safespec_panel_linear_bf16(int M, int K,
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Batch-invariant attention (spec_decode/cpu/attention.py): each query row alone, in one fixed order.
+ * Batch-invariant attention (spec_decode/cpu/attention.py): each query row's arithmetic alone, in one fixed
+ * order (the rows of one kv head may share their loads of keys and values: attend_group below).
  *
  * For query row r of (batch b, kv head h), the keys s it may see (mask[b, r, s]) are taken in
  * ascending s, and only those: a masked key costs nothing and changes nothing, so neither the padded
@@ -532,15 +533,23 @@ __attribute__((target("avx2,fma"))) static inline void dot_8_rows(const float *q
     }
 }
 
-/* acc[d] = fma(p[j], v row idx[j] [d], acc[d]) for the n visible keys j in key order, from acc[d] = 0: the
+/* acc[d] = fma(p[j], v row idx[j] [d], acc[d]) for the n visible keys j in key order, from acc[d] = 0 (or,
+ * from_acc, from the acc given: a row's keys after its group's common prefix, attend_group below): the
  * keys run inside a block of 8 vectors of acc held in registers, so an FMA waits on its own element's
  * previous one only (a loop over keys outside one over d would store and reload acc at every key). */
 __attribute__((target("avx2,fma"))) static inline void weighted_rows(float *acc, const float *p, const void *v,
                                                                    size_t kv0, const int *idx, int n, int D,
-                                                                   const int BF) {
+                                                                   const int BF, const int from_acc) {
     int d = 0;
     for (; d + 64 <= D; d += 64) {
-        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        __m256 c0, c1, c2, c3, c4, c5, c6, c7;
+        if (from_acc) {
+            c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8), c2 = _mm256_loadu_ps(acc + d + 16);
+            c3 = _mm256_loadu_ps(acc + d + 24), c4 = _mm256_loadu_ps(acc + d + 32), c5 = _mm256_loadu_ps(acc + d + 40);
+            c6 = _mm256_loadu_ps(acc + d + 48), c7 = _mm256_loadu_ps(acc + d + 56);
+        } else {
+            c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+        }
         for (int j = 0; j < n; j++) {
             const __m256 pv = _mm256_set1_ps(p[j]);
             const size_t r = kv0 + (size_t)idx[j] * D + d;
@@ -563,35 +572,46 @@ __attribute__((target("avx2,fma"))) static inline void weighted_rows(float *acc,
         _mm256_storeu_ps(acc + d + 56, c7);
     }
     for (; d + 8 <= D; d += 8) {
-        __m256 c = _mm256_setzero_ps();
+        __m256 c = from_acc ? _mm256_loadu_ps(acc + d) : _mm256_setzero_ps();
         for (int j = 0; j < n; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(v, kv0 + (size_t)idx[j] * D + d, BF), c);
         _mm256_storeu_ps(acc + d, c);
     }
     for (; d < D; d++) {
-        float c = 0.0f;
+        float c = from_acc ? acc[d] : 0.0f;
         for (int j = 0; j < n; j++) c = __builtin_fmaf(p[j], load1(v, kv0 + (size_t)idx[j] * D + d, BF), c);
         acc[d] = c;
     }
 }
 
-/* One query row: qs [D] float32 (already scaled), keys/values at k0/v0 + s * D, mask [S] (1 byte each). */
-__attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const float *qs, const void *k,
-                                                         const void *v, size_t kv0, int kv_bf16,
-                                                         const uint8_t *mask, int *idx, float *p, float *acc) {
+/* The keys a row sees, ascending: their cache rows into idx; returns how many. */
+static int visible_keys(int S, const uint8_t *mask, int *idx) {
     int n = 0;
     for (int s = 0; s < S; s++)
         if (mask[s]) idx[n++] = s;
+    return n;
+}
+
+/* p[j] = the score of key idx[j] for j < n, the row alone (dot_8_rows, then dot_row for the last few). */
+__attribute__((target("avx2,fma"))) static void row_scores(const float *qs, const void *k, size_t kv0, const int *idx,
+                                                         int n, int D, const int BF, float *p) {
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-        if (kv_bf16) dot_8_rows(qs, k, kv0, idx + i, D, 1, p + i);
+        if (BF) dot_8_rows(qs, k, kv0, idx + i, D, 1, p + i);
         else dot_8_rows(qs, k, kv0, idx + i, D, 0, p + i);
     }
-    for (; i < n; i++)
-        p[i] = kv_bf16 ? dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 1) : dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 0);
-    float m = -INFINITY;
-    for (i = 0; i < n; i++)
+    for (; i < n; i++) p[i] = BF ? dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 1) : dot_row(qs, k, kv0 + (size_t)idx[i] * D, D, 0);
+}
+
+/* The largest of p[0..n) from m (NaN skipped). */
+static inline float max_from(float m, const float *p, int n) {
+    for (int i = 0; i < n; i++)
         if (p[i] > m) m = p[i];
-    i = 0;
+    return m;
+}
+
+/* The scores p[0..n) become exp_ps(score - m), m their max. */
+__attribute__((target("avx2,fma"))) static void exp_scores(float *p, int n, float m) {
+    int i = 0;
     const __m256 mv = _mm256_set1_ps(m);
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), mv)));
     if (i < n) {   /* the tail through the same vector code: a key's bits never depend on its lane */
@@ -600,11 +620,148 @@ __attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const f
         _mm256_storeu_ps(t, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(t), mv)));
         memcpy(p + i, t, sizeof(float) * (size_t)(n - i));
     }
-    float den = 0.0f;
+}
+
+/* den + p[0] + ... + p[n - 1], one add at a time in key order. */
+static inline float sum_from(float den, const float *p, int n) {
     for (int j = 0; j < n; j++) den += p[j];
-    if (kv_bf16) weighted_rows(acc, p, v, kv0, idx, n, D, 1);
-    else weighted_rows(acc, p, v, kv0, idx, n, D, 0);
+    return den;
+}
+
+/* The scores p[0..n) become exp_ps(score - max); returns their sum in key order (den). */
+static float softmax_weights(float *p, int n) {
+    exp_scores(p, n, max_from(-INFINITY, p, n));
+    return sum_from(0.0f, p, n);
+}
+
+/* One query row: qs [D] float32 (already scaled), keys/values at k0/v0 + s * D, mask [S] (1 byte each). */
+__attribute__((target("avx2,fma"))) static void attend_row(int S, int D, const float *qs, const void *k,
+                                                         const void *v, size_t kv0, int kv_bf16,
+                                                         const uint8_t *mask, int *idx, float *p, float *acc) {
+    const int n = visible_keys(S, mask, idx);
+    row_scores(qs, k, kv0, idx, n, D, kv_bf16, p);
+    const float den = softmax_weights(p, n);
+    if (kv_bf16) weighted_rows(acc, p, v, kv0, idx, n, D, 1, 0);
+    else weighted_rows(acc, p, v, kv0, idx, n, D, 0, 0);
     for (int j = 0; j < D; j++) acc[j] = acc[j] / den;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Rows that share a kv head share its widened keys and values. A group holds up to GROUP_ROWS query rows
+ * of one kv head (in attention_block, the query heads of one token, whose masks are alike). Over the
+ * visible keys that begin every row's list alike (the common prefix: for a causal or tree block, every
+ * committed key), each loaded K or V vector serves every row of the group; each row's keys after it run
+ * alone. Every row keeps the arithmetic of attend_row: its score of a key is dot_row's chain in the same
+ * lane order and sum, and its acc[d] takes the same FMAs in key order (the prefix's, then the rest's), so
+ * a row's bits never depend on its group. */
+#define GROUP_ROWS 3
+
+/* Scores of keys idx[0..n) for G rows that all see them (qs [G][D], p [G][ps]): four keys at a time, so
+ * the G * 4 FMA chains overlap; each chain and its lane sum is dot_8_rows'. D a multiple of 8. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+group_scores(const int G, const float *qs, const void *k, size_t kv0, const int *idx, int n, int D, const int BF,
+             float *p, size_t ps) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        __m256 a[GROUP_ROWS][4];
+        for (int g = 0; g < G; g++)
+            for (int c = 0; c < 4; c++) a[g][c] = _mm256_setzero_ps();
+        const size_t r[4] = {kv0 + (size_t)idx[j] * D, kv0 + (size_t)idx[j + 1] * D, kv0 + (size_t)idx[j + 2] * D,
+                             kv0 + (size_t)idx[j + 3] * D};
+        for (int d = 0; d < D; d += 8)
+            for (int c = 0; c < 4; c++) {
+                const __m256 kv = load8(k, r[c] + d, BF);
+                for (int g = 0; g < G; g++) a[g][c] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + (size_t)g * D + d), kv, a[g][c]);
+            }
+        for (int g = 0; g < G; g++) {
+            const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+            _mm_storeu_ps(p + g * ps + j, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+        }
+    }
+    for (; j < n; j++)
+        for (int g = 0; g < G; g++) p[g * ps + j] = dot_row(qs + (size_t)g * D, k, kv0 + (size_t)idx[j] * D, D, BF);
+}
+
+/* acc[g][d] = fma(p[g][j], v row idx[j] [d], acc[g][d]) for keys j < n in key order, from 0, for G rows that
+ * all see them: Q octets of d at a time, each loaded V vector serving every row. D a multiple of 8. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+group_weighted(const int G, const int Q, float *acc, const float *p, size_t ps, const void *v, size_t kv0,
+               const int *idx, int n, int d, int D, const int BF) {
+    __m256 c[GROUP_ROWS][4];
+    for (int g = 0; g < G; g++)
+        for (int q = 0; q < Q; q++) c[g][q] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        const size_t r = kv0 + (size_t)idx[j] * D + d;
+        __m256 pv[GROUP_ROWS];
+        for (int g = 0; g < G; g++) pv[g] = _mm256_set1_ps(p[g * ps + j]);
+        for (int q = 0; q < Q; q++) {
+            const __m256 vv = load8(v, r + (size_t)q * 8, BF);
+            for (int g = 0; g < G; g++) c[g][q] = _mm256_fmadd_ps(pv[g], vv, c[g][q]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int q = 0; q < Q; q++) _mm256_storeu_ps(acc + (size_t)g * D + d + q * 8, c[g][q]);
+}
+
+/* G rows of one kv head (qs [G][D] scaled, masks[g] their mask rows; idx, p [G][S]; acc [G][D]): each row's
+ * output into acc as attend_row gives it. */
+__attribute__((target("avx2,fma"))) static inline __attribute__((always_inline)) void
+attend_group(const int G, int S, int D, const float *qs, const void *k, const void *v, size_t kv0, const int BF,
+             const uint8_t *const *masks, int *idx, float *p, float *acc) {
+    int n[GROUP_ROWS], common = S;
+    for (int g = 0; g < G; g++) {
+        n[g] = visible_keys(S, masks[g], idx + (size_t)g * S);
+        if (n[g] < common) common = n[g];
+    }
+    for (int g = 1; g < G; g++)   /* the common prefix of the rows' key lists */
+        for (int j = 0; j < common; j++)
+            if (idx[(size_t)g * S + j] != idx[j]) {
+                common = j;
+                break;
+            }
+    if (D % 8) common = 0;   /* the shared loops take whole octets of d */
+    group_scores(G, qs, k, kv0, idx, common, D, BF, p, (size_t)S);
+    for (int g = 0; g < G; g++) {
+        const size_t o = (size_t)g * S;
+        row_scores(qs + (size_t)g * D, k, kv0, idx + o + common, n[g] - common, D, BF, p + o + common);
+    }
+    /* each row's max and sum take its keys in order; over the common keys the rows' loops run side by side,
+     * so that their one-add-at-a-time chains overlap */
+    float m[GROUP_ROWS], den[GROUP_ROWS];
+    for (int g = 0; g < G; g++) m[g] = -INFINITY;
+    for (int j = 0; j < common; j++)
+        for (int g = 0; g < G; g++)
+            if (p[(size_t)g * S + j] > m[g]) m[g] = p[(size_t)g * S + j];
+    for (int g = 0; g < G; g++) {
+        m[g] = max_from(m[g], p + (size_t)g * S + common, n[g] - common);
+        exp_scores(p + (size_t)g * S, n[g], m[g]);
+        den[g] = 0.0f;
+    }
+    for (int j = 0; j < common; j++)
+        for (int g = 0; g < G; g++) den[g] += p[(size_t)g * S + j];
+    for (int g = 0; g < G; g++) den[g] = sum_from(den[g], p + (size_t)g * S + common, n[g] - common);
+    if (common > 0) {
+        int d = 0;
+        for (; d + 32 <= D; d += 32) group_weighted(G, 4, acc, p, (size_t)S, v, kv0, idx, common, d, D, BF);
+        for (; d < D; d += 8) group_weighted(G, 1, acc, p, (size_t)S, v, kv0, idx, common, d, D, BF);
+    }
+    for (int g = 0; g < G; g++) {
+        const size_t o = (size_t)g * S;
+        float *a = acc + (size_t)g * D;
+        weighted_rows(a, p + o + common, v, kv0, idx + o + common, n[g] - common, D, BF, common > 0);
+        for (int j = 0; j < D; j++) a[j] = a[j] / den[g];
+    }
+}
+
+/* attend_group for 1 <= G <= GROUP_ROWS rows; one row alone is attend_row. */
+__attribute__((target("avx2,fma"))) static void attend_rows(int G, int S, int D, const float *qs, const void *k,
+                                                          const void *v, size_t kv0, int BF,
+                                                          const uint8_t *const *masks, int *idx, float *p, float *acc) {
+    if (G == 1) attend_row(S, D, qs, k, v, kv0, BF, masks[0], idx, p, acc);
+    else if (G == 2 && BF) attend_group(2, S, D, qs, k, v, kv0, 1, masks, idx, p, acc);
+    else if (G == 2) attend_group(2, S, D, qs, k, v, kv0, 0, masks, idx, p, acc);
+    else if (BF) attend_group(3, S, D, qs, k, v, kv0, 1, masks, idx, p, acc);
+    else attend_group(3, S, D, qs, k, v, kv0, 0, masks, idx, p, acc);
 }
 
 /* q: [B, H, R, D] at element strides (q_sb, q_sh, q_sr), float32 or (q_bf16) bf16; k, v: [B, H, >= S, D]
@@ -727,16 +884,17 @@ __attribute__((target("avx2,fma"))) int safespec_attention_block(
         void *out) {
     const size_t W = (size_t)(NH + 2 * NKV) * D;
     const int n_rep = NH / NKV;
-    float *q = malloc(sizeof(float) * ((size_t)B * T * NH * D + 3 * (size_t)(D > 0 ? D : 1)));
-    int *idx = malloc(sizeof(int) * (size_t)(S > 0 ? S : 1));
-    float *p = malloc(sizeof(float) * (size_t)(S > 0 ? S : 1));
+    const size_t Dn = (size_t)(D > 0 ? D : 1), Sn = (size_t)(S > 0 ? S : 1);
+    float *q = malloc(sizeof(float) * ((size_t)B * T * NH * D + (2 * GROUP_ROWS + 1) * Dn));
+    int *idx = malloc(sizeof(int) * GROUP_ROWS * Sn);
+    float *p = malloc(sizeof(float) * GROUP_ROWS * Sn);
     if (!q || !idx || !p) {
         free(q);
         free(idx);
         free(p);
         return -1;
     }
-    float *qs = q + (size_t)B * T * NH * D, *acc = qs + D, *krow = acc + D;
+    float *qs = q + (size_t)B * T * NH * D, *acc = qs + GROUP_ROWS * Dn, *krow = acc + GROUP_ROWS * Dn;
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             const size_t x0 = ((size_t)b * T + t) * W, c0 = (size_t)(b * cs_sb + t * cs_st);
@@ -751,18 +909,25 @@ __attribute__((target("avx2,fma"))) int safespec_attention_block(
                 else memcpy((float *)vc + dst, (const float *)qkv + x0 + (size_t)(NH + NKV + h) * D, 4 * (size_t)D);
             }
         }
+    /* a kv head's rows in groups of GROUP_ROWS, token by token: a token's query heads see the same keys */
+    const int rows = n_rep * T;
     for (int b = 0; b < B; b++)
         for (int h = 0; h < NKV; h++)
-            for (int rep = 0; rep < n_rep; rep++)
-                for (int t = 0; t < T; t++) {
-                    const int hq = h * n_rep + rep;
-                    const float *qr = q + (((size_t)b * T + t) * NH + hq) * D;
-                    for (int d = 0; d < D; d++) qs[d] = qr[d] * scale;
-                    attend_row(S, D, qs, kc, vc, (size_t)(b * kv_sb + h * kv_sh), BF,
-                               mask + b * m_sb + (rep * T + t) * m_sr, idx, p, acc);
-                    const size_t o0 = ((size_t)b * T + t) * NH * D + (size_t)hq * D;
-                    narrow_row((size_t)D, acc, out, o0, BF);
+            for (int i0 = 0; i0 < rows; i0 += GROUP_ROWS) {
+                const int G = rows - i0 < GROUP_ROWS ? rows - i0 : GROUP_ROWS;
+                const uint8_t *masks[GROUP_ROWS];
+                for (int g = 0; g < G; g++) {
+                    const int t = (i0 + g) / n_rep, rep = (i0 + g) % n_rep;
+                    const float *qr = q + (((size_t)b * T + t) * NH + h * n_rep + rep) * D;
+                    for (int d = 0; d < D; d++) qs[(size_t)g * D + d] = qr[d] * scale;
+                    masks[g] = mask + b * m_sb + (rep * T + t) * m_sr;
                 }
+                attend_rows(G, S, D, qs, kc, vc, (size_t)(b * kv_sb + h * kv_sh), BF, masks, idx, p, acc);
+                for (int g = 0; g < G; g++) {
+                    const int t = (i0 + g) / n_rep, hq = h * n_rep + (i0 + g) % n_rep;
+                    narrow_row((size_t)D, acc + (size_t)g * D, out, ((size_t)b * T + t) * NH * D + (size_t)hq * D, BF);
+                }
+            }
     free(q);
     free(idx);
     free(p);

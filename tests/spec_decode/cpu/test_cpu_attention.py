@@ -234,3 +234,43 @@ def test_the_fused_block_equals_its_ops_by_torch_with_special_values(dtype, D):
     got = attention_block(qkv, rope, write_pos, kv, mask, nh, scale)
     assert _same_bits(got, want)
     assert _same_bits(kv[0], want_k) and _same_bits(kv[1], want_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D, n_rep", [(64, 3), (40, 4), (16, 2), (96, 3), (20, 3)])
+def test_query_heads_sharing_their_keys_keep_their_own_bits(dtype, D, n_rep):
+    """The fused block lets the query heads of one kv head share each loaded key and value over the keys that
+    begin all their lists alike (groups of up to 3 rows, a token's heads first; 4 heads a kv head make groups
+    across tokens). Here a 4-token causal block after 37 committed keys (lists not a multiple of 4 long), a
+    committed key that one token's heads do not see and one that a single head does not (lists that part in
+    the middle), NaN and Inf in visible and masked keys, values and queries, head dims of whole 32s, of 32
+    and 8, of 8s, and one of no whole octets (20: no sharing): every row and both caches carry the bits of the
+    torch ops."""
+    from spec_decode.cpu.attention import attention_block
+
+    B, T, nkv, S0 = 2, 4, 2, 37
+    nh, S = nkv * n_rep, S0 + T
+    g = torch.Generator().manual_seed(D + n_rep)
+    qkv = torch.randn(B, T, (nh + 2 * nkv) * D, generator=g)
+    qkv[1, 3, 5] = float("nan")                                   # a query element of head 0, token 3
+    qkv = qkv.to(dtype)
+    angles = torch.rand(B, T, 1, D, generator=g) * 6
+    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
+    kv = [torch.randn(B, nkv, S + 3, D, generator=g) for _ in range(2)]
+    kv[0][0, 0, 10, 3] = float("nan")                             # a key every row of kv head 0 sees
+    kv[1][1, 1, 20, 0] = float("inf")                             # a value token 2 at b = 1 does not see
+    kv[0][1, 1, S + 1, 2] = float("nan")                          # a row past the block: never visible
+    kv = tuple(c.to(dtype) for c in kv)
+    write_pos = torch.arange(S0, S0 + T).expand(B, T)
+    mask = torch.zeros(B, 1, n_rep * T, S, dtype=torch.bool)
+    for t in range(T):
+        mask[:, 0, t::T, :S0 + t + 1] = True                      # committed keys, then the block causally
+    mask[1, 0, 2::T, 20] = False                                  # every head of token 2 at b = 1
+    mask[0, 0, 1 * T + 1, 5] = False                              # head rep 1 of token 1 at b = 0 alone
+    scale = D ** -0.5
+    want, want_k, want_v = _attention_block_by_torch_ops(qkv, rope, write_pos, kv, mask, nh, scale)
+    got = attention_block(qkv, rope, write_pos, kv, mask, nh, scale)
+    assert _same_bits(got, want)
+    assert _same_bits(kv[0], want_k) and _same_bits(kv[1], want_v)
+    finite = got.view(B, T, nh, D).float().isfinite().all(-1)
+    assert finite[1, 2, n_rep:].all() and not finite[1, :2, n_rep:].any()   # the Inf value: token 2 spared
