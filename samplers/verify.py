@@ -277,12 +277,14 @@ def _final_token(p, q, num, generator):
     Shape: p [B, K+1, V], q [B, K, V], num [B] int64 in [0, K] -> [B] int64.
     """
     batch, k1, vocab = p.shape
-    idx = num.view(batch, 1, 1).expand(batch, 1, vocab)
-    p_at = p.gather(1, idx).squeeze(1)  # [B, V]
+    rows = torch.arange(batch, device=p.device)
+    # indexing picks one [V] row per request; a gather along dim 1 with an index expanded over V reads
+    # the index tensor per element and measured several times slower on CPU
+    p_at = p[rows, num]  # [B, V]
     if k1 == 1:   # no drafts: the bonus position only, where q = 0
         q_at = torch.zeros_like(p_at)
     else:   # the bonus position (num == K) has q = 0: a real row of q zeroed, not a padded copy of q
-        q_at = q.gather(1, idx.clamp(max=k1 - 2)).squeeze(1) * (num < k1 - 1).unsqueeze(-1)
+        q_at = q[rows, num.clamp(max=k1 - 2)] * (num < k1 - 1).unsqueeze(-1)
     return race_sample(rejection.residual(p_at, q_at), generator)
 
 
