@@ -32,6 +32,8 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 pytestmark = pytest.mark.slow  # the head-building script end to end
 
 ROWS, NEW_TOKENS, STEPS, VOCAB = 4, 12, 3, 512
+# the tiny build's shards (``--shards 2``): its prompts hold the committed user turns, so both held-out shards
+ALL_SHARDS = ["heldout-00000", "heldout-user-turns", "train-00000", "train-00001"]
 
 
 @pytest.fixture(scope="module")
@@ -281,11 +283,11 @@ def test_data_workers_split_the_shards_and_make_the_same_bits(msh, build):
     split.mkdir()
     shutil.copy(root / "work" / "prompts.jsonl", split / "prompts.jsonl")
     assert run("data", "--shards", "2", "--data-worker", "1/2", work=split) == 0
-    # the plan is heldout, train-0, train-1: worker 1 of 2 takes its second entry only
-    assert sorted(p.name for p in (split / "data").iterdir()) == ["train-00000"]
+    # the plan is heldout, train-0, train-1, heldout-user-turns: worker 1 of 2 takes its second and fourth
+    assert sorted(p.name for p in (split / "data").iterdir()) == ["heldout-user-turns", "train-00000"]
     assert run("data", "--shards", "2", "--data-worker", "0/2", work=split) == 0
-    assert sorted(p.name for p in (split / "data").iterdir()) == ["heldout-00000", "train-00000", "train-00001"]
-    for shard in ("heldout-00000", "train-00001"):
+    assert sorted(p.name for p in (split / "data").iterdir()) == ALL_SHARDS
+    for shard in ("heldout-00000", "train-00001", "heldout-user-turns"):
         a = (root / "work" / "data" / shard / "aux.npy").read_bytes()
         assert (split / "data" / shard / "aux.npy").read_bytes() == a, shard
     for bad in ("2/2", "x", "1"):
@@ -299,8 +301,8 @@ def test_first_shard_adds_the_later_shards_with_the_same_bits(build):
     later.mkdir()
     shutil.copy(root / "work" / "prompts.jsonl", later / "prompts.jsonl")
     assert run("data", "--shards", "2", "--first-shard", "1", work=later) == 0
-    # train-00000 is left to an earlier run; the held-out shard is always made
-    assert sorted(p.name for p in (later / "data").iterdir()) == ["heldout-00000", "train-00001"]
+    # train-00000 is left to an earlier run; the held-out shards are always made
+    assert sorted(p.name for p in (later / "data").iterdir()) == ["heldout-00000", "heldout-user-turns", "train-00001"]
     a = (root / "work" / "data" / "train-00001" / "aux.npy").read_bytes()
     assert (later / "data" / "train-00001" / "aux.npy").read_bytes() == a
 
@@ -333,6 +335,14 @@ def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, s
     staged = load_drafter(work / "eagle3", shipped_target, method="eagle3", dtype=torch.float32)
     heldout = msh.heads_train.heldout_agreement(msh.read_shard(work / "data" / "heldout-00000"), staged.eval())
     assert heldout["heldout_step1_agreement"] == stats["heldout_step1_agreement"]
+    # and on the user turns' held-out shard; the run stops on the mean of the two
+    shards = {name: msh.read_shard(work / "data" / name) for name in ("heldout-00000", "heldout-user-turns")}
+    both = msh.heads_train.heldout_agreements(shards, staged.eval())
+    assert both["heldout_user_turns_step1_agreement"] == stats["heldout_user_turns_step1_agreement"]
+    assert both["heldout_user_turns_positions"] > 0
+    mean = (stats["heldout_step1_agreement"] + stats["heldout_user_turns_step1_agreement"]) / 2
+    assert stats["heldout_mean_step1_agreement"] == pytest.approx(mean, abs=1e-4)
+    assert stats["train"]["stop_key"] in both
     by_id = {p["id"]: p for p in msh.read_prompts(msh.Work(work, Path(), Path(), msh.SEED))}
     trained = [i for s in ("train-00000", "train-00001")
                for i in msh.read_shard(work / "data" / s)["meta"]["prompt_ids"]]
@@ -536,6 +546,26 @@ def _tiny_work(msh, tmp_path, target_dir) -> object:
     return work
 
 
+def test_the_user_turns_held_out_shard_holds_held_out_user_turns_only(msh, build, tmp_path, safespec_tiny_target_path):
+    """The plan ends with a held-out shard of the target's own user turns (a chat-like held-out set),
+    and has none when the prompts hold no held-out user turn."""
+    _, root = build
+    prompts = msh.read_prompts(msh.Work(root / "work", safespec_tiny_target_path, root / "out", msh.SEED))
+    recipe = msh.heads_data.DataRecipe(shard_rows=ROWS, heldout_rows=ROWS)
+    work = msh.Work(root / "work", safespec_tiny_target_path, root / "out", msh.SEED)
+    plan = dict(msh.heads_data.shard_plan(work, recipe, 2))
+    assert list(plan)[-1] == "heldout-user-turns"
+    want = [p["id"] for p in prompts if p["held_out"] and p["id"].startswith("user:")][:ROWS]
+    assert [p["id"] for p in plan["heldout-user-turns"]] == want and len(want) == ROWS
+    meta = json.loads((root / "work" / "data" / "heldout-user-turns" / "meta.json").read_text())
+    assert meta["prompt_ids"] == want
+    tiny = _tiny_work(msh, tmp_path, safespec_tiny_target_path)   # held-out prompts, none a user turn
+    assert [name for name, _ in msh.heads_data.shard_plan(tiny, msh.heads_data.DataRecipe(shard_rows=2), 1)] == \
+        ["heldout-00000", "train-00000"]
+    with pytest.raises(ValueError, match="at least one held-out shard"):
+        msh.heads_train.heldout_agreements({}, None)
+
+
 def test_sigterm_stops_the_data_stage_within_a_forward_and_the_rerun_resumes(msh, shipped_target, tmp_path,
                                                                              safespec_tiny_target_path, monkeypatch):
     """SIGTERM mid-shard: the stage stops within a forward or two (not at the shard's end), writes no partial
@@ -621,7 +651,7 @@ def test_kept_token_ids_rebuild_the_shards_without_generating(msh, build, monkey
     alone: the same ids, the features to rounding, and no token generated."""
     run, root = build
     kept = root / "work" / "tokens"
-    assert sorted(p.name for p in kept.iterdir()) == ["heldout-00000.npz", "train-00000.npz", "train-00001.npz"]
+    assert sorted(p.name for p in kept.iterdir()) == [f"{name}.npz" for name in ALL_SHARDS]
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     shutil.copy(root / "work" / "prompts.jsonl", fresh / "prompts.jsonl")
@@ -633,7 +663,7 @@ def test_kept_token_ids_rebuild_the_shards_without_generating(msh, build, monkey
     monkeypatch.setattr(msh.heads_data, "generate_shard", no_generation)
     monkeypatch.setattr(msh.heads_data, "continue_rows", no_generation)
     assert run("data", "--shards", "2", "--tokens-dir", str(kept), work=fresh) == 0
-    for shard in ("heldout-00000", "train-00000", "train-00001"):
+    for shard in ALL_SHARDS:
         a, b = msh.read_shard(root / "work" / "data" / shard), msh.read_shard(fresh / "data" / shard)
         assert np.array_equal(a["ids"], b["ids"]) and np.array_equal(a["offsets"], b["offsets"])
         np.testing.assert_allclose(np.asarray(a["aux"], np.float32), np.asarray(b["aux"], np.float32),
