@@ -462,6 +462,33 @@ def test_agreement_on_the_evaluation_sets(msh, build, shipped_target):
     hits = sum(int((w == only).sum()) for w in wanted)
     assert msh.step1_agreement(head, shard, 3) == {"step1_agreement": round(hits / (3 * NEW_TOKENS), 4),
                                                      "positions": 3 * NEW_TOKENS}
+    rows = msh.heads_train.step1_agreement_rows(head, shard, 3)
+    assert rows == [(f"humaneval-{r}", int((w == only).sum()), NEW_TOKENS) for r, w in enumerate(wanted)]
+
+
+def test_agreement_compared_to_a_head_pairs_the_positions(msh, build, shipped_target):
+    """``--compare-to`` measures a second head on the same positions: against itself the difference and
+    its error are 0; against another head the difference is the two figures' and its error the paired one."""
+    run, root = build
+    out = root / "models" / "head"
+    if not out.is_dir():
+        assert run("eagle3") == 0 and run("export") == 0
+    assert run("agreement", "--measure-rows", "3", "--compare-to", str(out)) == 0
+    compared = json.loads((root / "work" / "stats" / "agreement-compared.json").read_text())
+    stats = json.loads((root / "work" / "stats" / "agreement.json").read_text())
+    for name in ("humaneval", "chat", "chat_unseen_topics"):
+        assert compared[name]["difference"] == 0 and compared[name]["z"] is None
+        assert compared[name]["baseline"] == stats[name]["step1_agreement"]
+    other = root / "other-head"
+    if not other.is_dir():
+        head = load_drafter(out, shipped_target, method="eagle3")
+        torch.nn.init.zeros_(head.lm_head.weight)
+        head.save_pretrained(other)
+    assert run("agreement", "--measure-rows", "3", "--compare-to", str(other)) == 0
+    compared = json.loads((root / "work" / "stats" / "agreement-compared.json").read_text())
+    for name in ("humaneval", "chat"):
+        want = stats[name]["step1_agreement"] - compared[name]["baseline"]
+        assert compared[name]["difference"] == pytest.approx(want, abs=2e-4)
 
 
 # ------------------------------------------------------------------ the command line and stopping
@@ -496,6 +523,7 @@ BAD_ARGS = {   # name -> (fn(tmp) -> bad values, the option the error names)
     "work_dir_a_file": (lambda t: ["--work-dir", str(_a_file(t))], "--work-dir"),
     "work_dir_under_a_file": (lambda t: ["--work-dir", str(_a_file(t) / "work")], "--work-dir"),
     "out_dir_a_file": (lambda t: ["--out-dir", str(_a_file(t))], "--out-dir"),
+    "compare_to_no_head": (lambda t: ["--compare-to", str(t)], "--compare-to"),
 }
 
 
