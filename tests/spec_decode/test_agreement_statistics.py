@@ -74,3 +74,14 @@ def test_the_errors_match_the_spread_of_repeated_evaluations_and_independent_pos
     unpaired = statistics.fmean((metrics.agreement_with_error(h)["standard_error"] ** 2
                                  + metrics.agreement_with_error(b)["standard_error"] ** 2) ** 0.5 for h, b in runs)
     assert unpaired > 5 * spread
+
+
+def test_a_candidate_ships_when_higher_everywhere_and_clearly_on_one_set(metrics):
+    up = {"difference": 0.004, "standard_error": 0.004, "z": 1.0}
+    clear = {"difference": 0.01, "standard_error": 0.004, "z": 2.5}
+    down = {"difference": -0.001, "standard_error": 0.004, "z": -0.25}
+    assert metrics.candidate_ships({"humaneval": clear, "chat": up, "chat_unseen_topics": up})
+    assert not metrics.candidate_ships({"humaneval": up, "chat": up, "chat_unseen_topics": up})   # nothing clear
+    assert not metrics.candidate_ships({"humaneval": clear, "chat": clear, "chat_unseen_topics": down})
+    assert not metrics.candidate_ships({"humaneval": {"difference": 0.0, "standard_error": 0.0, "z": None}})
+    assert not metrics.candidate_ships({})

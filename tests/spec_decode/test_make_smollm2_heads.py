@@ -476,6 +476,7 @@ def test_agreement_compared_to_a_head_pairs_the_positions(msh, build, shipped_ta
     assert run("agreement", "--measure-rows", "3", "--compare-to", str(out)) == 0
     compared = json.loads((root / "work" / "stats" / "agreement-compared.json").read_text())
     stats = json.loads((root / "work" / "stats" / "agreement.json").read_text())
+    assert compared["ships"] is False   # the same head is no better
     for name in ("humaneval", "chat", "chat_unseen_topics"):
         assert compared[name]["difference"] == 0 and compared[name]["z"] is None
         assert compared[name]["baseline"] == stats[name]["step1_agreement"]
