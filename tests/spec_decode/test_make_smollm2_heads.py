@@ -313,6 +313,7 @@ def test_draft_vocabulary_and_coverage(msh, build):
     ids = np.load(root / "work" / "draft_vocab.npy")
     assert len(ids) == VOCAB == stats["draft_vocab_size"] and (np.diff(ids) > 0).all()
     assert 0 < stats["heldout_coverage"] <= 1 and stats["train_coverage"] >= stats["heldout_coverage"] - 0.2
+    assert 0 < stats["heldout_user_turns_coverage"] <= 1 and stats["heldout_user_turns_output_tokens"] == ROWS * NEW_TOKENS
 
 
 def test_interrupted_training_resumes_to_the_same_head_and_exports(msh, build, shipped_target, monkeypatch):
