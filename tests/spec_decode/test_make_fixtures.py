@@ -213,24 +213,34 @@ def test_stalled_compares_the_last_evaluations_with_the_best_before_them(make_fi
     assert not stalled(evals(0.5, 0.4, 0.45, 0.6), "a", patience=2, min_gain=0.05)
 
 
+def test_a_run_may_stop_early_only_once_its_learning_rate_is_half_its_peak(make_fixtures):
+    may_stop_early = make_fixtures.fixtures_run.may_stop_early
+    cfg = dict(steps=1000, lr=1e-3, warmup=50)
+    # the cosine from the peak to a tenth of it crosses half the peak at 53.5% of the schedule
+    assert not any(may_stop_early(cfg, step) for step in (0, 49, 200, 500, 530))
+    assert all(may_stop_early(cfg, step) for step in (540, 600, 1000))
+
+
 def test_a_stalled_run_stops_early_and_stays_stopped(make_fixtures, tmp_path, monkeypatch):
-    """With a stop key the run ends once its eval value stalls; a rerun keeps the stop instead of
-    training on."""
+    """With a stop key the run ends once its eval value stalls, from the second half of its schedule on
+    (a stall at the peak learning rate does not stop it); a rerun keeps the stop instead of training on."""
     cfg = dict(steps=50, lr=1e-2, warmup=1, eval_every=5, stop_key="score", stop_patience=2, stop_min_gain=0.1)
     net = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg["lr"])
     gen = torch.Generator().manual_seed(0)
-    scores = iter([0.1, 0.5, 0.55, 0.58] + [0.9] * 20)   # gains 0.05 and 0.08 after 0.5: stalled at step 20
+    # gains 0.05 and 0.08 after 0.5: stalled from step 20, where the learning rate is still above half its
+    # peak; the first evaluation at or below it (step 30) stops the run
+    scores = iter([0.1, 0.5, 0.55, 0.58, 0.59, 0.595] + [0.9] * 20)
 
     step_fn = linear_step_fn(net, opt, gen)
 
     monkeypatch.setattr(make_fixtures.fixtures_run, "CKPT_DIR", tmp_path)
     monkeypatch.setattr(make_fixtures.fixtures_run, "CLOCK", StopAfter(10**9))
     state = make_fixtures.train_resumable("s", net, opt, gen, cfg, step_fn, eval_fn=lambda: {"score": next(scores)})
-    assert state["step"] == 20 and state["stopped_early"] == 20
-    assert [e["step"] for e in state["eval"]] == [5, 10, 15, 20]
+    assert state["step"] == 30 and state["stopped_early"] == 30
+    assert [e["step"] for e in state["eval"]] == [5, 10, 15, 20, 25, 30]
     again = make_fixtures.train_resumable("s", net, opt, gen, cfg, step_fn, eval_fn=lambda: {"score": next(scores)})
-    assert again["step"] == 20 and again["runs"] == 2
+    assert again["step"] == 30 and again["runs"] == 2
 
 
 def test_a_checkpoint_of_another_recipe_is_not_resumed(make_fixtures, tmp_path, monkeypatch):
